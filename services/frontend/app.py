@@ -1,0 +1,102 @@
+"""The aiohttp application: OpenAI routes, /health, /version, and JSON errors for everything else."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from importlib import metadata
+from typing import Any
+
+from aiohttp import web
+
+from services.frontend.errors import error_middleware, model_not_found, service_unavailable
+from services.frontend.serving_chat import OpenAIServingChat
+from services.frontend.serving_completion import OpenAIServingCompletion
+from services.frontend.serving_engine import OpenAIServing, ServerState, ServingModel
+
+# Long prompts arrive as JSON; aiohttp's default limit of 1 MiB is too small for a long context.
+MAX_REQUEST_BYTES = 32 * 1024 * 1024
+
+SERVING_KEY = web.AppKey("serving", OpenAIServing)
+CHAT_KEY = web.AppKey("serving_chat", OpenAIServingChat)
+COMPLETION_KEY = web.AppKey("serving_completion", OpenAIServingCompletion)
+CREATED_KEY = web.AppKey("created", int)
+
+
+def spindle_version() -> str:
+    try:
+        return metadata.version("spindle")
+    except metadata.PackageNotFoundError:
+        return "0.0.0+unknown"
+
+
+def create_app(engine_client: Any, model: ServingModel, state: ServerState | None = None) -> web.Application:
+    """Builds the HTTP app around an EngineClient (real or fake) and the served model."""
+    state = state or ServerState()
+    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_REQUEST_BYTES)
+    app[SERVING_KEY] = OpenAIServing(engine_client, model, state)
+    app[CHAT_KEY] = OpenAIServingChat(engine_client, model, state)
+    app[COMPLETION_KEY] = OpenAIServingCompletion(engine_client, model, state)
+    app[CREATED_KEY] = int(time.time())
+    app.router.add_get("/health", health)
+    app.router.add_get("/version", version)
+    app.router.add_get("/stats", stats)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model:.+}", retrieve_model)
+    app.router.add_post("/v1/chat/completions", create_chat_completion)
+    app.router.add_post("/v1/completions", create_completion)
+    return app
+
+
+async def health(request: web.Request) -> web.Response:
+    """200 while the engine is ready and the server is not draining; 503 otherwise."""
+    serving = request.app[SERVING_KEY]
+    if serving.is_ready:
+        return web.json_response({"status": "ok"})
+    status = "draining" if serving.state.is_draining else "engine not ready"
+    return web.json_response({"status": status}, status=503, headers={"Retry-After": "5"})
+
+
+async def stats(request: web.Request) -> web.Response:
+    """The engine's scheduler stats (running, waiting, KV blocks), straight from the scheduler."""
+    serving = request.app[SERVING_KEY]
+    try:
+        scheduler_stats, is_worker_alive = await serving.engine_client.get_stats()
+    except Exception as exc:  # the scheduler is unreachable: report it rather than fail
+        raise service_unavailable(f"cannot reach the scheduler: {exc}") from exc
+    return web.json_response({**dataclasses.asdict(scheduler_stats), "is_worker_alive": is_worker_alive})
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": spindle_version()})
+
+
+def _model_card(request: web.Request) -> dict[str, Any]:
+    serving = request.app[SERVING_KEY]
+    card: dict[str, Any] = {
+        "id": serving.model.name,
+        "object": "model",
+        "created": request.app[CREATED_KEY],
+        "owned_by": "spindle",
+    }
+    if serving.engine_client.is_ready:
+        card["max_model_len"] = serving.max_model_len
+    return card
+
+
+async def list_models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_model_card(request)]})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    name = request.match_info["model"]
+    if name != request.app[SERVING_KEY].model.name:
+        raise model_not_found(name)
+    return web.json_response(_model_card(request))
+
+
+async def create_chat_completion(request: web.Request) -> web.StreamResponse:
+    return await request.app[CHAT_KEY].create_chat_completion(request)
+
+
+async def create_completion(request: web.Request) -> web.StreamResponse:
+    return await request.app[COMPLETION_KEY].create_completion(request)

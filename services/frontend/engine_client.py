@@ -1,0 +1,157 @@
+"""The frontend's connection to the engine core: one long-lived bidirectional stream.
+
+Requests and aborts go out on the stream; one EngineCoreOutputs per engine step comes back and is
+dispatched to per-request queues. When the scheduler goes away, every in-flight request fails with
+an "unavailable" error and the client reconnects with back-off.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import AsyncIterator
+
+import grpc
+
+from services.common import codec
+from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.messages import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    EngineInfo,
+    FinishReason,
+    SchedulerStats,
+)
+from services.common.pb import engine_core_pb2, engine_core_pb2_grpc
+from services.frontend.errors import EngineError
+
+logger = logging.getLogger(__name__)
+
+STATS_POLL_INTERVAL_S = 1.0
+MAX_RECONNECT_BACKOFF_S = 5.0
+
+
+class EngineClient:
+    def __init__(self, scheduler_addr: str):
+        self.scheduler_addr = scheduler_addr
+        self.info: EngineInfo | None = None
+        self.last_stats = SchedulerStats()
+        self._is_worker_alive = False
+        self._channel = grpc.aio.insecure_channel(scheduler_addr, options=CHANNEL_OPTIONS)
+        self._stub = engine_core_pb2_grpc.EngineCoreServiceStub(self._channel)
+        self._call = None
+        self._queues: dict[str, asyncio.Queue[EngineCoreOutput]] = {}
+        self._connected = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def is_ready(self) -> bool:
+        return self._connected.is_set() and self._is_worker_alive and self.info is not None
+
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._run_stream()), asyncio.create_task(self._poll_stats())]
+
+    async def wait_ready(self, timeout_s: float) -> bool:
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not self.is_ready:
+            if asyncio.get_running_loop().time() > deadline:
+                return False
+            await asyncio.sleep(0.1)
+        return True
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._channel.close()
+
+    async def generate(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
+        """Yields the request's outputs until one finishes it; leaving early aborts the request."""
+        if not self.is_ready:
+            raise EngineError("the engine is not ready", "unavailable")
+        if request.request_id in self._queues:
+            raise EngineError(f"duplicate request id {request.request_id!r}", "invalid_argument")
+        queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
+        self._queues[request.request_id] = queue
+        finished = False
+        try:
+            await self._write(engine_core_pb2.ConnectRequest(add_request=codec.engine_core_request_to_pb(request)))
+            while True:
+                output = await queue.get()
+                if output.finish_reason == FinishReason.ERROR:
+                    finished = True
+                    raise EngineError(output.error_message or "engine error", output.error_code or "internal")
+                finished = output.finished
+                yield output
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request.request_id, None)
+            if not finished:
+                await self._abort_quietly(request.request_id)
+
+    async def abort(self, request_id: str) -> None:
+        await self._write(engine_core_pb2.ConnectRequest(
+            abort_requests=engine_core_pb2.AbortRequests(request_ids=[request_id])))
+
+    async def get_stats(self) -> tuple[SchedulerStats, bool]:
+        response = await self._stub.GetStats(engine_core_pb2.GetStatsRequest(), timeout=5)
+        return codec.scheduler_stats_from_pb(response.scheduler_stats), response.is_worker_alive
+
+    # --- internals -----------------------------------------------------------------------------------
+    async def _write(self, message: engine_core_pb2.ConnectRequest) -> None:
+        if self._call is None or not self._connected.is_set():
+            raise EngineError("not connected to the scheduler", "unavailable")
+        try:
+            await self._call.write(message)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
+            raise EngineError(f"lost the scheduler: {exc}", "unavailable") from exc
+
+    async def _abort_quietly(self, request_id: str) -> None:
+        try:
+            await asyncio.shield(self.abort(request_id))
+        except (EngineError, asyncio.CancelledError):
+            pass  # the scheduler is gone, or aborts the request itself when the stream closes
+
+    async def _run_stream(self) -> None:
+        backoff_s = 0.2
+        while True:
+            try:
+                info = await self._stub.GetEngineInfo(engine_core_pb2.GetEngineInfoRequest(), timeout=5,
+                                                      wait_for_ready=True)
+                self.info = codec.engine_info_from_pb(info)
+                self._is_worker_alive = True
+                self._call = self._stub.Connect()
+                self._connected.set()
+                logger.info("connected to scheduler %s (model %s)", self.scheduler_addr, self.info.model_name)
+                backoff_s = 0.2
+                async for response in self._call:
+                    self._dispatch(codec.engine_core_outputs_from_pb(response.outputs))
+                raise EngineError("the scheduler closed the stream", "unavailable")
+            except asyncio.CancelledError:
+                raise
+            except (grpc.aio.AioRpcError, EngineError) as exc:
+                self._connected.clear()
+                self._fail_all(f"lost the scheduler: {getattr(exc, 'details', lambda: exc)()}")
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(backoff_s * 2, MAX_RECONNECT_BACKOFF_S)
+
+    def _dispatch(self, outputs) -> None:
+        if outputs.scheduler_stats is not None:
+            self.last_stats = outputs.scheduler_stats
+        for output in outputs.outputs:
+            queue = self._queues.get(output.request_id)
+            if queue is not None:
+                queue.put_nowait(output)
+
+    def _fail_all(self, message: str) -> None:
+        for request_id, queue in list(self._queues.items()):
+            queue.put_nowait(EngineCoreOutput(request_id, [], finish_reason=FinishReason.ERROR,
+                                              error_message=message, error_code="unavailable"))
+
+    async def _poll_stats(self) -> None:
+        while True:
+            await asyncio.sleep(STATS_POLL_INTERVAL_S)
+            try:
+                self.last_stats, self._is_worker_alive = await self.get_stats()
+            except grpc.aio.AioRpcError:
+                self._is_worker_alive = False

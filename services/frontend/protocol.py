@@ -1,0 +1,291 @@
+"""Validates OpenAI request bodies (chat and completions) into typed requests.
+
+Every refusal is a 400 `invalid_request_error` whose `param` names the offending field. Fields that
+would change the result but are not implemented (tools, logprobs, n > 1, ...) are refused rather
+than silently ignored; fields that only annotate a request (`user`, `metadata`, `store`, ...) and
+unknown fields are accepted. vLLM's extra sampling fields (`top_k`, `min_p`, `repetition_penalty`,
+`min_tokens`, `stop_token_ids`, `ignore_eos`, `priority`, ...) are accepted at the top level.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from services.common.messages import SamplingParams
+from services.frontend.errors import invalid_request
+
+CHAT_ROLES = {"system", "developer", "user", "assistant"}
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """What chat and completion requests share, after validation.
+
+    `sampling_params.max_tokens` is a placeholder until the prompt length is known; `max_tokens` is
+    what the client asked for (None: as many as fit).
+    """
+
+    model: str | None
+    sampling_params: SamplingParams
+    max_tokens: int | None
+    max_tokens_param: str  # the field `max_tokens` came from, for error messages
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    is_stream: bool = False
+    include_usage: bool = False
+    priority: int = 0
+    # vLLM's extension: add the prompt and output token ids to a non-streamed response.
+    return_token_ids: bool = False
+
+
+@dataclass(frozen=True)
+class ChatCompletionRequest:
+    messages: list[dict[str, str]]  # role and plain-text content, ready for the chat template
+    options: GenerationOptions
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    prompt: str | list[int]
+    options: GenerationOptions
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise invalid_request(f"We could not parse the JSON body of your request: {exc}") from None
+    if not isinstance(body, dict):
+        raise invalid_request("The request body must be a JSON object.")
+    return body
+
+
+def parse_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
+    _refuse_chat_features(body)
+    return ChatCompletionRequest(messages=_parse_messages(body.get("messages")), options=_parse_options(body, True))
+
+
+def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
+    _refuse_completion_features(body)
+    return CompletionRequest(prompt=_parse_prompt(body.get("prompt")), options=_parse_options(body, False))
+
+
+def check_sampling_params(p: SamplingParams) -> None:
+    """Range checks shared by the HTTP and gRPC faces (max_tokens is checked against the prompt later)."""
+    _check(p.n == 1, "n", "Only n=1 is supported.")
+    _check(0.0 <= p.temperature <= 2.0, "temperature", "temperature must be in [0, 2].")
+    _check(0.0 < p.top_p <= 1.0, "top_p", "top_p must be in (0, 1].")
+    _check(p.top_k >= 0, "top_k", "top_k must be >= 0 (0 or -1 disables it).")
+    _check(0.0 <= p.min_p <= 1.0, "min_p", "min_p must be in [0, 1].")
+    _check(-2.0 <= p.presence_penalty <= 2.0, "presence_penalty", "presence_penalty must be in [-2, 2].")
+    _check(-2.0 <= p.frequency_penalty <= 2.0, "frequency_penalty", "frequency_penalty must be in [-2, 2].")
+    _check(p.repetition_penalty > 0.0, "repetition_penalty", "repetition_penalty must be > 0.")
+    _check(p.min_tokens >= 0, "min_tokens", "min_tokens must be >= 0.")
+    _check(p.seed is None or -MAX_SEED - 1 <= p.seed <= MAX_SEED, "seed", "seed must fit in 64 bits.")
+    for token_id, bias in p.logit_bias.items():
+        _check(-100.0 <= bias <= 100.0, "logit_bias", f"logit_bias[{token_id}] must be in [-100, 100].")
+    _check(p.logprobs is None, "logprobs", "logprobs are not supported yet.")
+    _check(p.prompt_logprobs is None, "prompt_logprobs", "prompt_logprobs are not supported yet.")
+
+
+# --- refusals of unsupported features ------------------------------------------------------------
+def _refuse_chat_features(body: dict[str, Any]) -> None:
+    for name in ("tools", "functions", "audio", "prediction", "web_search_options"):
+        _check(not body.get(name), name, f"'{name}' is not supported.")
+    for name in ("tool_choice", "function_call"):
+        _check(body.get(name) in (None, "none", "auto"), name, f"'{name}' is not supported (tools are not).")
+    response_format = body.get("response_format")
+    if response_format is not None:
+        _check(isinstance(response_format, dict), "response_format", "response_format must be an object.")
+        _check(response_format.get("type") == "text", "response_format.type",
+               "Only response_format type 'text' is supported.")
+    _check(body.get("modalities") in (None, ["text"]), "modalities", "Only the 'text' modality is supported.")
+    _check(not body.get("logprobs"), "logprobs", "logprobs are not supported yet.")
+    _check(not body.get("top_logprobs"), "top_logprobs", "top_logprobs are not supported yet.")
+
+
+def _refuse_completion_features(body: dict[str, Any]) -> None:
+    _check(body.get("logprobs") is None, "logprobs", "logprobs are not supported yet.")
+    _check(not body.get("echo"), "echo", "echo is not supported.")
+    _check(not body.get("suffix"), "suffix", "suffix is not supported.")
+    _check(body.get("best_of") in (None, 1), "best_of", "Only best_of=1 is supported.")
+
+
+# --- messages and prompts ------------------------------------------------------------------------
+def _parse_messages(messages: Any) -> list[dict[str, str]]:
+    _check(messages is not None, "messages", "Missing required parameter: 'messages'.")
+    _check(isinstance(messages, list), "messages", "'messages' must be an array.")
+    _check(len(messages) > 0, "messages", "'messages' must contain at least one message.")
+    return [_parse_message(i, message) for i, message in enumerate(messages)]
+
+
+def _parse_message(i: int, message: Any) -> dict[str, str]:
+    where = f"messages[{i}]"
+    _check(isinstance(message, dict), where, f"'{where}' must be an object.")
+    role = message.get("role")
+    _check(isinstance(role, str), f"{where}.role", f"Missing or invalid '{where}.role'.")
+    _check(role in CHAT_ROLES, f"{where}.role",
+           f"Invalid role {role!r} in '{where}.role'; supported: {', '.join(sorted(CHAT_ROLES))}.")
+    _check(not message.get("tool_calls"), f"{where}.tool_calls", "Tool calls are not supported.")
+    content = message.get("content")
+    if content is None:
+        _check(role == "assistant", f"{where}.content", f"Missing '{where}.content'.")
+        content = ""
+    elif isinstance(content, list):
+        content = _join_text_parts(where, content)
+    else:
+        _check(isinstance(content, str), f"{where}.content", f"'{where}.content' must be a string or array.")
+    # Chat templates know "system"; "developer" is its newer name.
+    return {"role": "system" if role == "developer" else role, "content": content}
+
+
+def _join_text_parts(where: str, parts: list[Any]) -> str:
+    texts = []
+    for j, part in enumerate(parts):
+        at = f"{where}.content[{j}]"
+        _check(isinstance(part, dict), at, f"'{at}' must be an object.")
+        _check(part.get("type") == "text", f"{at}.type", f"Content part type {part.get('type')!r} is not supported.")
+        _check(isinstance(part.get("text"), str), f"{at}.text", f"'{at}.text' must be a string.")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _parse_prompt(prompt: Any) -> str | list[int]:
+    _check(prompt is not None, "prompt", "Missing required parameter: 'prompt'.")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        _check(prompt != "", "prompt", "'prompt' must not be empty.")
+        return prompt
+    _check(isinstance(prompt, list) and prompt, "prompt",
+           "'prompt' must be a non-empty string or array of token ids (batches are not supported).")
+    _check(all(_is_int(t) and t >= 0 for t in prompt), "prompt",
+           "'prompt' must be a string or an array of non-negative token ids (batches are not supported).")
+    return list(prompt)
+
+
+# --- sampling options ----------------------------------------------------------------------------
+def _parse_options(body: dict[str, Any], is_chat: bool) -> GenerationOptions:
+    model = body.get("model")
+    _check(model is None or isinstance(model, str), "model", "'model' must be a string.")
+    _check(_integer(body, "n", 1) == 1, "n", "Only n=1 is supported.")
+
+    max_tokens_param = "max_tokens"
+    max_tokens = _integer(body, "max_tokens", None)
+    if is_chat and body.get("max_completion_tokens") is not None:
+        max_tokens_param, max_tokens = "max_completion_tokens", _integer(body, "max_completion_tokens", None)
+    _check(max_tokens is None or max_tokens > 0, max_tokens_param, f"'{max_tokens_param}' must be at least 1.")
+
+    top_k = _integer(body, "top_k", 0)
+    stop = _parse_stop(body.get("stop"))
+    is_stream = _boolean(body, "stream", False)
+    stream_options = body.get("stream_options")
+    include_usage = False
+    if stream_options is not None:
+        _check(is_stream, "stream_options", "'stream_options' is only allowed when 'stream' is true.")
+        _check(isinstance(stream_options, dict), "stream_options", "'stream_options' must be an object.")
+        include_usage = _boolean(stream_options, "include_usage", False, prefix="stream_options.")
+
+    params = SamplingParams(
+        n=1,
+        temperature=_number(body, "temperature", 1.0),
+        top_p=_number(body, "top_p", 1.0),
+        top_k=0 if top_k == -1 else top_k,  # vLLM spells "disabled" as -1
+        min_p=_number(body, "min_p", 0.0),
+        seed=_integer(body, "seed", None),
+        presence_penalty=_number(body, "presence_penalty", 0.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0),
+        logit_bias=_parse_logit_bias(body.get("logit_bias")),
+        max_tokens=max_tokens or 1,
+        min_tokens=_integer(body, "min_tokens", 0),
+        stop_token_ids=tuple(_token_ids(body, "stop_token_ids")),
+        ignore_eos=_boolean(body, "ignore_eos", False),
+    )
+    check_sampling_params(params)
+    return GenerationOptions(
+        model=model,
+        sampling_params=params,
+        max_tokens=max_tokens,
+        max_tokens_param=max_tokens_param,
+        stop=stop,
+        include_stop_str_in_output=_boolean(body, "include_stop_str_in_output", False),
+        skip_special_tokens=_boolean(body, "skip_special_tokens", True),
+        is_stream=is_stream,
+        include_usage=include_usage,
+        priority=_integer(body, "priority", 0),
+        return_token_ids=_boolean(body, "return_token_ids", False),
+    )
+
+
+def _parse_stop(stop: Any) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    _check(isinstance(stops, list) and all(isinstance(s, str) for s in stops), "stop",
+           "'stop' must be a string or an array of strings.")
+    _check(all(stops), "stop", "Stop strings must not be empty.")
+    return tuple(stops)
+
+
+def _parse_logit_bias(bias: Any) -> dict[int, float]:
+    if bias is None:
+        return {}
+    _check(isinstance(bias, dict), "logit_bias", "'logit_bias' must map token ids to numbers.")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        _check(isinstance(key, str) and key.strip().isdigit(), "logit_bias", f"Invalid token id {key!r} in logit_bias.")
+        _check(_is_number(value), "logit_bias", f"logit_bias[{key}] must be a number.")
+        out[int(key)] = float(value)
+    return out
+
+
+def _token_ids(body: dict[str, Any], name: str) -> list[int]:
+    value = body.get(name)
+    if value is None:
+        return []
+    _check(isinstance(value, list) and all(_is_int(t) and t >= 0 for t in value), name,
+           f"'{name}' must be an array of non-negative token ids.")
+    return value
+
+
+# --- typed getters: null means "not given" -------------------------------------------------------
+def _number(body: dict[str, Any], name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    _check(_is_number(value), name, f"'{name}' must be a number.")
+    return float(value)
+
+
+def _integer(body: dict[str, Any], name: str, default: int | None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    _check(_is_int(value), name, f"'{name}' must be an integer.")
+    return value
+
+
+def _boolean(body: dict[str, Any], name: str, default: bool, prefix: str = "") -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    _check(isinstance(value, bool), prefix + name, f"'{prefix}{name}' must be a boolean.")
+    return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check(condition: Any, param: str, message: str) -> None:
+    if not condition:
+        raise invalid_request(message, param=param)

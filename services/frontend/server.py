@@ -1,0 +1,144 @@
+"""Runs the frontend: the OpenAI HTTP API and the gRPC GenerateService in one asyncio loop.
+
+Start-up: resolve the model folder, load the tokenizer, connect to the scheduler, listen on HTTP and
+gRPC, log one ready line. SIGTERM/SIGINT: /health and gRPC health turn NOT_SERVING, new requests
+get 503, in-flight requests may finish for up to --shutdown-timeout seconds, then everything stops
+and the process exits 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from aiohttp import web
+
+from services.common.grpc_server import GrpcServer, install_stop_signals
+from services.common.logging_setup import setup_logging
+from services.common.pb import generate_pb2_grpc
+from services.frontend.app import create_app
+from services.frontend.config import FrontendConfig
+from services.frontend.grpc_service import SERVICE_NAME, GenerateServicer
+from services.frontend.serving_engine import OpenAIServing, ServerState, ServingModel
+from services.frontend.tokenizer import eos_token_ids, load_tokenizer
+
+logger = logging.getLogger("spindle.frontend")
+
+READINESS_POLL_S = 0.5
+
+
+class FrontendServer:
+    """The frontend's servers and their lifecycle; `start()` then `stop()`."""
+
+    def __init__(self, config: FrontendConfig, engine_client: Any = None, model: ServingModel | None = None):
+        self.config = config
+        self.state = ServerState()
+        self.engine_client = engine_client
+        self.model = model
+        self._runner: web.AppRunner | None = None
+        self._grpc: GrpcServer | None = None
+        self._readiness_task: asyncio.Task | None = None
+        self.http_port = 0
+        self.grpc_port = 0
+
+    async def start(self) -> None:
+        if self.model is None:
+            self.model = await asyncio.to_thread(_load_model, self.config)
+        if self.engine_client is None:
+            from services.frontend.engine_client import EngineClient  # the integrator's module
+
+            self.engine_client = EngineClient(self.config.scheduler_addr)
+            await self.engine_client.start()
+
+        # Handlers are cancelled when their client disconnects: that is what aborts its request.
+        self._runner = web.AppRunner(
+            create_app(self.engine_client, self.model, self.state), handler_cancellation=True, shutdown_timeout=1.0
+        )
+        await self._runner.setup()
+        await web.TCPSite(self._runner, self.config.http_host, self.config.http_port).start()
+        self.http_port = self._runner.addresses[0][1]
+
+        self._grpc = GrpcServer(self.config.grpc_addr, [SERVICE_NAME])
+        servicer = GenerateServicer(OpenAIServing(self.engine_client, self.model, self.state))
+        generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, self._grpc.server)
+        await self._grpc.start()
+        self.grpc_port = self._grpc.port
+        self._readiness_task = asyncio.create_task(self._follow_readiness())
+        grpc_host = self.config.grpc_addr.rsplit(":", 1)[0]
+        logger.info("frontend ready: http://%s:%d (grpc %s:%d, model %s)", self.config.http_host, self.http_port,
+                    grpc_host, self.grpc_port, self.model.name)
+
+    async def _follow_readiness(self) -> None:
+        """Keeps gRPC health in step with the engine (the HTTP /health asks on each call)."""
+        is_serving: bool | None = None
+        while True:
+            now = bool(self.engine_client.is_ready) and not self.state.is_draining
+            if now != is_serving:
+                await self._grpc.set_serving(now)
+                if is_serving is not None or now:
+                    logger.info("engine %s", "ready: serving requests" if now else "not ready: refusing requests")
+                is_serving = now
+            await asyncio.sleep(READINESS_POLL_S)
+
+    async def stop(self) -> None:
+        """Drains: refuse new requests, let in-flight ones finish up to the shutdown timeout, stop."""
+        self.state.is_draining = True
+        if self._readiness_task is not None:
+            self._readiness_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._readiness_task
+        if self._grpc is not None:
+            await self._grpc.set_serving(False)
+        if not await self.state.wait_idle(self.config.shutdown_timeout_s):
+            logger.warning("%d requests still running after %.0f s; aborting them",
+                           self.state.num_inflight, self.config.shutdown_timeout_s)
+        if self._runner is not None:
+            await self._runner.cleanup()  # cancels leftover handlers, which aborts their requests
+        if self._grpc is not None:
+            await self._grpc.stop(grace_s=1.0)
+        if self.engine_client is not None and hasattr(self.engine_client, "close"):
+            await self.engine_client.close()
+        logger.info("frontend stopped")
+
+
+def _load_model(config: FrontendConfig) -> ServingModel:
+    from services.common.model_files import resolve_model  # converts the default model on first use
+
+    resolved = resolve_model(config.model, config.cache_dir)
+    tokenizer = load_tokenizer(resolved.path)
+    return ServingModel(
+        name=config.served_model_name or resolved.name,
+        tokenizer=tokenizer,
+        eos_token_ids=eos_token_ids(tokenizer, resolved.path),
+        max_model_len=config.max_model_len,
+    )
+
+
+async def serve(config: FrontendConfig, server: FrontendServer | None = None) -> int:
+    """Runs until SIGTERM/SIGINT, then drains; returns the exit status."""
+    stop = asyncio.Event()
+    server = server or FrontendServer(config)
+    install_stop_signals(stop, lambda _signum: setattr(server.state, "is_draining", True))
+    starting = asyncio.create_task(server.start())
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait([starting, stopping], return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():  # a signal during start-up (model conversion, scheduler not up yet)
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+    elif starting.exception() is not None:
+        stopping.cancel()
+        logger.error("frontend failed to start", exc_info=starting.exception())
+        await server.stop()
+        return 1
+    else:
+        await stopping
+    await server.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = FrontendConfig.from_args(argv)
+    setup_logging("frontend", config.log_level)
+    return asyncio.run(serve(config))

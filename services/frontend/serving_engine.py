@@ -1,0 +1,217 @@
+"""What chat, completions and the gRPC GenerateService share.
+
+`OpenAIServing` checks the model name and readiness, turns a validated request plus prompt token
+ids into an `EngineCoreRequest` (context-length checks, default max_tokens), and runs it: engine
+outputs go through the detokenizer and come out as `TextDelta`s. Leaving the delta iterator early
+(client gone, stop string) closes the engine's iterator, which aborts the request in the engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Iterator
+
+from services.common.messages import EngineCoreRequest, FinishReason
+from services.frontend.detokenizer import IncrementalDetokenizer
+from services.frontend.errors import EngineError, invalid_request, model_not_found, service_unavailable
+from services.frontend.protocol import GenerationOptions
+
+
+@dataclass(frozen=True)
+class ServingModel:
+    """The model as the frontend serves it."""
+
+    name: str  # the only value clients may put in `model`
+    tokenizer: Any
+    eos_token_ids: tuple[int, ...] = ()
+    # Lowers the engine's context length; None keeps the engine's.
+    max_model_len: int | None = None
+
+
+class ServerState:
+    """Draining flag and in-flight count, shared by the HTTP and gRPC faces for graceful shutdown."""
+
+    def __init__(self) -> None:
+        self.is_draining = False
+        self.num_inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator[None]:
+        self.num_inflight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.num_inflight -= 1
+            if self.num_inflight == 0:
+                self._idle.set()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """True if every in-flight request finished within the timeout."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+
+@dataclass
+class TextDelta:
+    """New text of one request since the last delta; `finish_reason` is set on the last one."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" or "length"
+    num_cached_tokens: int = 0
+
+
+class OpenAIServing:
+    def __init__(self, engine_client: Any, model: ServingModel, state: ServerState):
+        self.engine_client = engine_client
+        self.model = model
+        self.state = state
+
+    @property
+    def is_ready(self) -> bool:
+        return self.engine_client.is_ready and not self.state.is_draining
+
+    @property
+    def max_model_len(self) -> int:
+        engine_len = self.engine_client.info.max_model_len
+        if self.model.max_model_len is None:
+            return engine_len
+        return min(engine_len, self.model.max_model_len)
+
+    def check_model(self, model: str | None) -> None:
+        """An omitted model means the served one; any other name is unknown."""
+        if model is not None and model != self.model.name:
+            raise model_not_found(model)
+
+    def check_ready(self) -> None:
+        if self.state.is_draining:
+            raise service_unavailable("The server is shutting down.")
+        if not self.engine_client.is_ready:
+            raise service_unavailable("The engine is not ready; try again shortly.")
+
+    def make_engine_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        options: GenerationOptions,
+        prompt_param: str,
+        default_max_tokens: int | None = None,
+    ) -> EngineCoreRequest:
+        """Checks the prompt and max_tokens against the context length and the vocabulary."""
+        num_prompt_tokens = len(prompt_token_ids)
+        max_model_len = self.max_model_len
+        if num_prompt_tokens == 0:
+            raise invalid_request("The prompt is empty after tokenization.", param=prompt_param)
+        if num_prompt_tokens >= max_model_len:
+            raise invalid_request(
+                f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+                f"{num_prompt_tokens} tokens, leaving no room for the completion.",
+                param=prompt_param, code="context_length_exceeded")
+        room = max_model_len - num_prompt_tokens
+        if options.max_tokens is None:
+            max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+        elif options.max_tokens > room:
+            raise invalid_request(
+                f"This model's maximum context length is {max_model_len} tokens; the prompt has "
+                f"{num_prompt_tokens} tokens, so '{options.max_tokens_param}' can be at most {room}, "
+                f"got {options.max_tokens}.",
+                param=options.max_tokens_param, code="context_length_exceeded")
+        else:
+            max_tokens = options.max_tokens
+        params = options.sampling_params
+        if params.min_tokens > max_tokens:
+            raise invalid_request(f"min_tokens ({params.min_tokens}) exceeds max_tokens ({max_tokens}).",
+                                  param="min_tokens")
+        self._check_token_ids(prompt_token_ids, prompt_param)
+        self._check_token_ids(params.logit_bias, "logit_bias")
+        self._check_token_ids(params.stop_token_ids, "stop_token_ids")
+        return EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=dataclasses.replace(params, max_tokens=max_tokens),
+            arrival_time=time.time(),
+            priority=options.priority,
+            eos_token_ids=self.model.eos_token_ids,
+        )
+
+    def make_detokenizer(self, prompt_token_ids: list[int], options: GenerationOptions) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(
+            self.model.tokenizer,
+            prompt_token_ids,
+            stop=options.stop,
+            include_stop_str_in_output=options.include_stop_str_in_output,
+            skip_special_tokens=options.skip_special_tokens,
+        )
+
+    async def generate(
+        self, request: EngineCoreRequest, detokenizer: IncrementalDetokenizer
+    ) -> AsyncIterator[TextDelta]:
+        """Runs one request; yields text deltas, the last one with its finish reason.
+
+        Raises EngineError if the engine refuses or fails the request. Use it under
+        `contextlib.aclosing` so that leaving early aborts the request in the engine.
+        """
+        outputs = self.engine_client.generate(request)
+        num_cached_tokens = 0
+        is_finished = False
+        try:
+            async for output in outputs:
+                if output.finish_reason == FinishReason.ERROR:
+                    raise EngineError(output.error_message or "The engine failed the request.",
+                                      getattr(output, "error_code", "") or "internal")
+                if output.finish_reason == FinishReason.ABORT:
+                    raise EngineError("The engine aborted the request.", "unavailable")
+                num_cached_tokens = max(num_cached_tokens, output.num_cached_tokens)
+                text = detokenizer.update(output.new_token_ids, is_finished=output.finished)
+                if detokenizer.is_stopped:
+                    await _close(outputs)  # abort now rather than after the client reads the last delta
+                    yield TextDelta(text, output.new_token_ids, "stop", num_cached_tokens)
+                    return
+                if output.finished:
+                    # Keep iterating: the engine's iterator ends by itself after its last output.
+                    is_finished = True
+                    yield TextDelta(text, output.new_token_ids, output.finish_reason.to_openai(), num_cached_tokens)
+                elif text or output.new_token_ids:
+                    yield TextDelta(text, output.new_token_ids, None, num_cached_tokens)
+            if not is_finished:
+                raise EngineError("The engine ended the request without finishing it.", "internal")
+        finally:
+            await _close(outputs)
+
+    def _check_token_ids(self, token_ids: Any, param: str) -> None:
+        vocab_size = self.engine_client.info.vocab_size
+        if vocab_size > 0:
+            bad = [t for t in token_ids if not 0 <= t < vocab_size]
+            if bad:
+                raise invalid_request(f"Token id {bad[0]} is outside the vocabulary [0, {vocab_size}).", param=param)
+
+
+async def _close(iterator: Any) -> None:
+    aclose = getattr(iterator, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+def usage_dict(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
+    }
+
+
+def add_token_ids(response: dict[str, Any], engine_request: EngineCoreRequest,
+                  detokenizer: IncrementalDetokenizer) -> None:
+    """vLLM's `return_token_ids`: the prompt's and the choice's token ids beside the text."""
+    response["prompt_token_ids"] = list(engine_request.prompt_token_ids)
+    response["choices"][0]["token_ids"] = list(detokenizer.output_token_ids)

@@ -1,0 +1,64 @@
+"""`python -m services.scheduler`: the engine core service."""
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+from services.common.grpc_server import GrpcServer, install_stop_signals
+from services.common.logging_setup import setup_logging
+from services.common.pb import engine_core_pb2_grpc
+from services.scheduler.config import SchedulerServiceConfig, config_from_args
+from services.scheduler.engine_core import EngineCore
+from services.scheduler.server import SERVICE_NAME, EngineCoreServicer
+from services.scheduler.worker_client import WorkerClient
+
+
+async def serve(config: SchedulerServiceConfig) -> None:
+    logger = setup_logging("scheduler", config.log_level)
+    server = GrpcServer(config.scheduler_addr, [SERVICE_NAME])
+    loop = asyncio.get_running_loop()
+
+    def on_health_change(serving: bool) -> None:
+        loop.create_task(server.set_serving(serving))
+
+    engine = EngineCore(config.scheduler, WorkerClient(config.worker_addr), on_health_change)
+    engine_core_pb2_grpc.add_EngineCoreServiceServicer_to_server(EngineCoreServicer(engine), server.server)
+    await server.start()
+    logger.info("scheduler listening on %s, waiting for worker %s", config.scheduler_addr, config.worker_addr)
+
+    stop = asyncio.Event()
+    drain = asyncio.Event()
+
+    def on_signal(signum: int) -> None:
+        engine.is_draining = True
+        loop.create_task(server.set_serving(False))
+        engine.wake()
+
+    install_stop_signals(drain, on_signal)
+    engine_task = asyncio.create_task(engine.run(stop))
+    await drain.wait()
+
+    # Drain: new requests are refused; in-flight ones may finish within the shutdown timeout.
+    deadline = time.monotonic() + config.shutdown_timeout_s
+    while engine.num_unfinished_requests() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if engine.num_unfinished_requests():
+        logger.warning("shutdown timeout: aborting %d requests", engine.num_unfinished_requests())
+        engine.fail_remaining("the engine shut down before the request finished")
+    stop.set()
+    engine.wake()
+    await asyncio.sleep(0.1)  # let the last outputs reach the frontends
+    engine_task.cancel()
+    await server.stop(grace_s=1.0)
+    await engine.worker.close()
+    logger.info("scheduler stopped")
+
+
+def main(argv: list[str] | None = None) -> int:
+    asyncio.run(serve(config_from_args(argv)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""Scheduler configuration: built once from flags and environment, frozen."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from services.common.flags import add_common_flags, add_flag
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What the scheduling rule needs. Block size and block count come from the worker at run time."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_num_waiting_requests: int = 0  # 0 = unbounded
+    policy: str = "fcfs"  # or "priority"
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling policy {self.policy!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerServiceConfig:
+    scheduler_addr: str
+    worker_addr: str
+    log_level: str
+    shutdown_timeout_s: float
+    scheduler: SchedulerConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="spindle scheduler", description="Spindle engine core (scheduler)")
+    add_flag(parser, "--scheduler-addr", default="127.0.0.1:50052", help="gRPC address to listen on")
+    add_flag(parser, "--worker-addr", default="127.0.0.1:50053", help="gRPC address of the worker")
+    add_flag(parser, "--max-num-batched-tokens", type=int, default=2048, help="token budget per engine step")
+    add_flag(parser, "--max-num-seqs", type=int, default=256, help="most requests running at once")
+    add_flag(parser, "--max-num-waiting-requests", type=int, default=0,
+             help="refuse new requests once this many wait (0: unbounded)")
+    add_flag(parser, "--scheduling-policy", default="fcfs", choices=["fcfs", "priority"], help="queue order")
+    add_flag(parser, "--enable-prefix-caching", type=bool, default=True, help="reuse KV blocks of shared prefixes")
+    add_common_flags(parser)
+    return parser
+
+
+def config_from_args(argv: list[str] | None = None) -> SchedulerServiceConfig:
+    args = build_parser().parse_args(argv)
+    return SchedulerServiceConfig(
+        scheduler_addr=args.scheduler_addr,
+        worker_addr=args.worker_addr,
+        log_level=args.log_level,
+        shutdown_timeout_s=args.shutdown_timeout,
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            max_num_waiting_requests=args.max_num_waiting_requests,
+            policy=args.scheduling_policy,
+            enable_prefix_caching=args.enable_prefix_caching,
+        ),
+    )

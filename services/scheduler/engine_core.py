@@ -1,0 +1,195 @@
+"""The engine core: the busy loop schedule() -> worker executes -> update_from_output().
+
+It owns the worker connection (handshake, reconnect with back-off) and routes each step's outputs
+to the frontend connections that own the requests: one EngineCoreOutputs per frontend per step.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from typing import Callable
+
+from services.common.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineInfo,
+    FinishReason,
+    SchedulerStats,
+)
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.request import Request
+from services.scheduler.scheduler import RequestRejected, Scheduler
+from services.scheduler.worker_client import WorkerClient, WorkerStepError, WorkerUnavailable
+
+logger = logging.getLogger(__name__)
+
+MAX_RECONNECT_BACKOFF_S = 5.0
+
+
+def error_output(request_id: str, message: str, code: str) -> EngineCoreOutput:
+    return EngineCoreOutput(request_id, [], finish_reason=FinishReason.ERROR, error_message=message, error_code=code)
+
+
+class EngineCore:
+    def __init__(self, config: SchedulerConfig, worker: WorkerClient,
+                 on_health_change: Callable[[bool], None] | None = None):
+        self.config = config
+        self.worker = worker
+        self.scheduler: Scheduler | None = None
+        self.info: EngineInfo | None = None
+        self.is_worker_alive = False
+        self.is_draining = False
+        self._on_health_change = on_health_change or (lambda serving: None)
+        self._client_ids = itertools.count(1)
+        self._clients: dict[int, asyncio.Queue[EngineCoreOutputs]] = {}
+        self._req_client: dict[str, int] = {}
+        self._pending_adds: list[Request] = []
+        self._pending_aborts: list[str] = []
+        self._wakeup = asyncio.Event()
+
+    # --- frontend connections ----------------------------------------------------------------------
+    def register_client(self) -> tuple[int, asyncio.Queue[EngineCoreOutputs]]:
+        client_id = next(self._client_ids)
+        self._clients[client_id] = asyncio.Queue()
+        return client_id, self._clients[client_id]
+
+    def unregister_client(self, client_id: int) -> None:
+        """A frontend went away: its requests are aborted (nobody is left to read them)."""
+        self._clients.pop(client_id, None)
+        self.abort_requests([rid for rid, cid in self._req_client.items() if cid == client_id])
+
+    def add_request(self, client_id: int, req: EngineCoreRequest) -> None:
+        if not self.is_worker_alive or self.is_draining:
+            why = "the engine is draining" if self.is_draining else "the worker is unavailable"
+            self._send(client_id, [error_output(req.request_id, why, "unavailable")])
+            return
+        self._req_client[req.request_id] = client_id
+        self._pending_adds.append(Request(req, client_id))
+        self._wakeup.set()
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self._pending_aborts.extend(request_ids)
+        self._wakeup.set()
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.get_stats() if self.scheduler is not None else SchedulerStats()
+
+    def num_unfinished_requests(self) -> int:
+        pending = len(self._pending_adds)
+        return pending + (len(self.scheduler.requests) if self.scheduler is not None else 0)
+
+    # --- the loop ----------------------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event) -> None:
+        """Connects to the worker and runs steps until `stop`; reconnects when the worker is lost."""
+        backoff_s = 0.2
+        while not stop.is_set():
+            try:
+                await self._start_worker()
+                backoff_s = 0.2
+                await self._busy_loop(stop)
+            except WorkerUnavailable as exc:
+                self._set_worker_alive(False)
+                self._fail_all(f"worker unavailable: {exc}", "unavailable")
+                logger.warning("%s; retrying in %.1f s", exc, backoff_s)
+                try:
+                    await asyncio.wait_for(stop.wait(), backoff_s)
+                except asyncio.TimeoutError:
+                    pass
+                backoff_s = min(backoff_s * 2, MAX_RECONNECT_BACKOFF_S)
+
+    def wake(self) -> None:
+        self._wakeup.set()
+
+    async def _start_worker(self) -> None:
+        spec = await self.worker.connect()
+        await self.worker.initialize(spec.num_blocks)
+        self.scheduler = Scheduler(self.config, spec.num_blocks, spec.block_size, spec.max_model_len)
+        self.info = EngineInfo(
+            model_name=spec.model_name,
+            max_model_len=self.scheduler.max_model_len,
+            block_size=spec.block_size,
+            num_gpu_blocks=spec.num_blocks,
+            device=spec.device,
+            dtype=spec.dtype,
+            vocab_size=spec.vocab_size,
+        )
+        logger.info("worker %s ready: %d KV blocks of %d tokens, max_model_len %d",
+                    self.worker.address, spec.num_blocks, spec.block_size, self.scheduler.max_model_len)
+        self._set_worker_alive(True)
+
+    async def _busy_loop(self, stop: asyncio.Event) -> None:
+        scheduler = self.scheduler
+        assert scheduler is not None
+        while True:
+            self._apply_pending(scheduler)
+            if not scheduler.has_unfinished_requests() and not scheduler.finished_req_ids:
+                if stop.is_set():
+                    return
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            scheduler_output = scheduler.schedule()
+            try:
+                runner_output = await self.worker.execute_model(scheduler_output)
+            except WorkerStepError as exc:
+                logger.error("step %d failed on the worker: %s", scheduler_output.step_id, exc)
+                failed = scheduler.abort_requests(list(scheduler_output.num_scheduled_tokens))
+                self._publish([error_output(r.request_id, f"model execution failed: {exc}", "internal")
+                               for r in failed], scheduler)
+                continue
+            self._publish(scheduler.update_from_output(scheduler_output, runner_output), scheduler)
+            if scheduler_output.total_num_scheduled_tokens == 0:
+                await asyncio.sleep(0.001)  # nothing fit this step; let frees and aborts arrive
+
+    def _apply_pending(self, scheduler: Scheduler) -> None:
+        if self._pending_aborts:
+            aborts, self._pending_aborts = self._pending_aborts, []
+            for request in scheduler.abort_requests(aborts):
+                self._req_client.pop(request.request_id, None)
+            for request in [r for r in self._pending_adds if r.request_id in set(aborts)]:
+                self._pending_adds.remove(request)
+                self._req_client.pop(request.request_id, None)
+        adds, self._pending_adds = self._pending_adds, []
+        for request in adds:
+            try:
+                scheduler.add_request(request)
+            except RequestRejected as exc:
+                self._publish([error_output(request.request_id, str(exc), exc.code)], scheduler)
+
+    def _publish(self, outputs: list[EngineCoreOutput], scheduler: Scheduler | None) -> None:
+        if not outputs:
+            return
+        by_client: dict[int, list[EngineCoreOutput]] = {}
+        for output in outputs:
+            client_id = self._req_client.get(output.request_id)
+            if output.finished:
+                self._req_client.pop(output.request_id, None)
+            if client_id is not None:
+                by_client.setdefault(client_id, []).append(output)
+        for client_id, client_outputs in by_client.items():
+            self._send(client_id, client_outputs, scheduler)
+
+    def _send(self, client_id: int, outputs: list[EngineCoreOutput], scheduler: Scheduler | None = None) -> None:
+        queue = self._clients.get(client_id)
+        if queue is not None:
+            stats = scheduler.get_stats() if scheduler is not None else None
+            queue.put_nowait(EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, timestamp=time.time()))
+
+    def _fail_all(self, message: str, code: str) -> None:
+        requests = self.scheduler.fail_all() if self.scheduler is not None else []
+        requests += self._pending_adds
+        self._pending_adds = []
+        self._pending_aborts = []
+        self._publish([error_output(r.request_id, message, code) for r in requests], None)
+
+    def fail_remaining(self, message: str) -> None:
+        """Used at the end of a drain: whatever still runs is finished with an error."""
+        self._fail_all(message, "unavailable")
+
+    def _set_worker_alive(self, alive: bool) -> None:
+        if alive != self.is_worker_alive:
+            self.is_worker_alive = alive
+            self._on_health_change(alive and not self.is_draining)

@@ -1,0 +1,144 @@
+"""KV cache manager: which blocks each request holds, prefix-cache lookups, allocation.
+
+It deals only in block ids; the worker owns the tensors those ids index.
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+
+from services.scheduler.block_pool import BlockPool, KVCacheBlock
+from services.scheduler.request import Request
+
+# A fixed seed so every scheduler instance (and restart) computes the same block hashes.
+_HASH_SEED = b"spindle-prefix-cache-v1"
+NONE_HASH = int.from_bytes(hashlib.sha256(_HASH_SEED).digest()[:8], "little")
+
+
+def hash_block_tokens(parent_hash: int, token_ids: list[int] | tuple[int, ...], extra_key: str = "") -> int:
+    """hash(parent hash, token ids of the block, extra keys such as cache_salt) as a 64-bit int."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(parent_hash.to_bytes(8, "little"))
+    h.update(struct.pack(f"<{len(token_ids)}i", *token_ids))
+    if extra_key:
+        h.update(extra_key.encode())
+    return int.from_bytes(h.digest(), "little")
+
+
+@dataclass
+class PrefixCacheStats:
+    num_queries: int = 0  # prompt tokens looked up
+    num_hits: int = 0  # prompt tokens found
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Number of each request's leading blocks already registered in the prefix cache.
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    # --- lookups ---------------------------------------------------------------------------------
+    def usage(self) -> float:
+        return self.block_pool.usage()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def update_block_hashes(self, request: Request) -> None:
+        """Extends the request's list of full-block hashes to cover its current tokens."""
+        bs = self.block_size
+        hashes = request.block_hashes
+        while (len(hashes) + 1) * bs <= request.num_tokens:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else NONE_HASH
+            hashes.append(hash_block_tokens(parent, request.all_token_ids[i * bs : (i + 1) * bs], request.cache_salt))
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of full blocks, as (blocks, num_computed_tokens).
+
+        The last prompt token is always recomputed so the step yields logits to sample from.
+        """
+        if not self.enable_caching:
+            return [], 0
+        self.update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        num_computed = len(blocks) * self.block_size
+        self.prefix_cache_stats.num_queries += request.num_tokens
+        self.prefix_cache_stats.num_hits += num_computed
+        return blocks, num_computed
+
+    # --- allocation ------------------------------------------------------------------------------
+    def can_fit(self, request: Request, computed_blocks: list[KVCacheBlock], num_tokens: int) -> bool:
+        """Whether `num_tokens` of the request fit, given the cache-hit blocks it would reuse."""
+        num_evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        num_needed = self.num_blocks_for(num_tokens) - len(computed_blocks)
+        return num_needed <= self.block_pool.num_free_blocks - num_evictable_hits
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: list[KVCacheBlock] | None = None,
+    ) -> list[int] | None:
+        """Gives the request blocks for `num_new_tokens` more tokens; returns the new block ids.
+
+        Returns None (and changes nothing) when the free blocks do not suffice.
+        `computed_blocks` are prefix-cache hits, passed only when the request is first scheduled.
+        """
+        computed_blocks = computed_blocks or []
+        held = self.req_to_blocks.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_required = self.num_blocks_for(num_computed + num_new_tokens)
+        num_new_blocks = num_required - len(held) - len(computed_blocks)
+        num_evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks > self.block_pool.num_free_blocks - num_evictable_hits:
+            return None
+        if computed_blocks:
+            self.block_pool.touch(computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
+        blocks = self.req_to_blocks.setdefault(request.request_id, held)
+        blocks.extend(computed_blocks)
+        blocks.extend(new_blocks)
+        if computed_blocks and self.num_cached_blocks.get(request.request_id, 0) == 0:
+            self.num_cached_blocks[request.request_id] = len(computed_blocks)
+        return [b.block_id for b in computed_blocks] + [b.block_id for b in new_blocks]
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Registers the request's newly full blocks (up to `num_computed_tokens`) in the prefix cache."""
+        if not self.enable_caching:
+            return
+        self.update_block_hashes(request)
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        num_full = min(num_computed_tokens // self.block_size, len(request.block_hashes), len(blocks))
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        for i in range(start, num_full):
+            self.block_pool.cache_full_block(blocks[i], request.block_hashes[i])
+        self.num_cached_blocks[request.request_id] = max(start, num_full)
+
+    def free(self, request: Request) -> None:
+        """Returns all the request's blocks; tail blocks first so they are evicted first."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def reset_prefix_cache_stats(self) -> PrefixCacheStats:
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        return stats

@@ -1,0 +1,82 @@
+"""The scheduler's view of one request: token counts and status, never tensors."""
+from __future__ import annotations
+
+import enum
+import time
+
+from services.common.messages import (
+    EngineCoreRequest,
+    FinishReason,
+    RequestEvent,
+    RequestEventType,
+    SamplingParams,
+)
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED = 3
+
+
+class Request:
+    """A request's progress: `num_computed_tokens` catches up with `num_tokens` step by step."""
+
+    def __init__(self, req: EngineCoreRequest, client_id: int = 0):
+        self.request_id = req.request_id
+        self.client_id = client_id
+        self.prompt_token_ids = list(req.prompt_token_ids)
+        self.sampling_params: SamplingParams = req.sampling_params
+        self.eos_token_ids = frozenset(req.eos_token_ids)
+        self.arrival_time = req.arrival_time or time.time()
+        self.priority = req.priority
+        self.cache_salt = req.cache_salt
+        self.traceparent = req.traceparent
+
+        self.status = RequestStatus.WAITING
+        self.all_token_ids: list[int] = list(req.prompt_token_ids)
+        self.num_prompt_tokens = len(req.prompt_token_ids)
+        self.num_computed_tokens = 0
+        # Prompt tokens served from the prefix cache at first scheduling (-1 until then).
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+        self.finish_reason = FinishReason.NONE
+        self.stop_reason: int | None = None
+        # Events not yet sent to the frontend.
+        self.events: list[RequestEvent] = []
+        self.record_event(RequestEventType.QUEUED)
+        # Hashes of this request's full blocks, filled by the KV cache manager.
+        self.block_hashes: list[int] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.all_token_ids.extend(token_ids)
+
+    def record_event(self, event_type: RequestEventType) -> None:
+        self.events.append(RequestEvent(event_type, time.time()))
+
+    def take_events(self) -> list[RequestEvent]:
+        events, self.events = self.events, []
+        return events
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

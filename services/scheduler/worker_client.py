@@ -1,0 +1,76 @@
+"""The scheduler's connection to the worker: start-up handshake, then one stream of steps."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from services.common import codec
+from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.messages import KVCacheSpec, ModelRunnerOutput, SchedulerOutput
+from services.common.pb import worker_pb2, worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerUnavailable(Exception):
+    """The worker cannot be reached or its stream broke: every in-flight request is lost."""
+
+
+class WorkerStepError(Exception):
+    """The worker is alive but this step failed (the message says why)."""
+
+
+class WorkerClient:
+    def __init__(self, address: str):
+        self.address = address
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: worker_pb2_grpc.WorkerServiceStub | None = None
+        self._stream = None
+
+    async def connect(self, timeout_s: float = 5.0) -> KVCacheSpec:
+        """Opens the channel and asks the worker how big its KV cache can be."""
+        await self.close()
+        self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
+        try:
+            response = await self._stub.DescribeKVCache(
+                worker_pb2.DescribeKVCacheRequest(), timeout=timeout_s, wait_for_ready=True
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise WorkerUnavailable(f"worker at {self.address}: {exc.code().name} {exc.details()}") from exc
+        return codec.kv_cache_spec_from_pb(response)
+
+    async def initialize(self, num_blocks: int) -> None:
+        assert self._stub is not None
+        try:
+            await self._stub.InitializeKVCache(worker_pb2.InitializeKVCacheRequest(num_blocks=num_blocks), timeout=600)
+            self._stream = self._stub.ExecuteModel()
+        except grpc.aio.AioRpcError as exc:
+            raise WorkerUnavailable(f"worker at {self.address}: {exc.code().name} {exc.details()}") from exc
+
+    async def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self._stream is None:
+            raise WorkerUnavailable("no stream to the worker")
+        request = worker_pb2.ExecuteModelRequest(scheduler_output=codec.scheduler_output_to_pb(scheduler_output))
+        try:
+            await self._stream.write(request)
+            response = await self._stream.read()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
+            self._stream = None
+            raise WorkerUnavailable(f"worker stream broke: {exc}") from exc
+        if response is grpc.aio.EOF:
+            self._stream = None
+            raise WorkerUnavailable("worker closed the stream")
+        if response.error_message:
+            raise WorkerStepError(response.error_message)
+        return codec.model_runner_output_from_pb(response.model_runner_output)
+
+    async def close(self) -> None:
+        if self._stream is not None:
+            self._stream.cancel()
+            self._stream = None
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None

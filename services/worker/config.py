@@ -1,0 +1,128 @@
+"""Worker configuration: built once from flags and `SPINDLE_*` variables, frozen, validated."""
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from services.common.flags import add_common_flags, add_flag
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """The part of the configuration the model runner needs, with values resolved for the model."""
+
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    worker_addr: str = "127.0.0.1:50053"
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    served_model_name: str | None = None
+    cache_dir: str | None = None
+    dtype: str = "auto"  # auto, float32, bfloat16, float16
+    device: str = "auto"  # auto, cpu, cuda
+    kv_cache_bytes: int = 1 * GiB
+    block_size: int = 16
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    num_threads: int | None = None  # None: torch's default
+    log_level: str = "INFO"
+    shutdown_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"--dtype {self.dtype!r}: expected auto or one of {sorted(DTYPES)}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--device {self.device!r}: expected auto, cpu or cuda")
+        for name in ("kv_cache_bytes", "block_size", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.num_threads is not None and self.num_threads <= 0:
+            raise ValueError(f"num_threads must be positive, got {self.num_threads}")
+
+
+def parse_bytes(text: str) -> int:
+    """'1073741824', '1GiB', '512MiB', '2G' -> bytes (K/M/G are binary here, as memory sizes are)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 1073741824, 512MiB, 2GiB)")
+    number, unit = match.groups()
+    return int(float(number) * 1024 ** " KMGT".index(unit.upper() or " "))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m services.worker", description="Spindle worker service")
+    add_flag(parser, "--worker-addr", default="127.0.0.1:50053", help="gRPC listen address")
+    add_flag(parser, "--model", help="Hugging Face folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    add_flag(parser, "--served-model-name", help="model name reported to the scheduler")
+    add_flag(parser, "--cache-dir", help="where converted models go (default ~/.cache/spindle)")
+    add_flag(parser, "--dtype", default="auto", choices=["auto", *DTYPES],
+             help="weights and KV cache dtype; auto = bfloat16 on a GPU or a CPU with native bf16, else float32")
+    add_flag(parser, "--device", default="auto", choices=["auto", "cpu", "cuda"], help="device to run on")
+    add_flag(parser, "--kv-cache-bytes", type=parse_bytes, default=1 * GiB, help="KV cache budget on a CPU")
+    add_flag(parser, "--block-size", type=int, default=16, help="tokens per KV cache block")
+    add_flag(parser, "--max-model-len", type=int, help="longest sequence (default: the model's limit)")
+    add_flag(parser, "--max-num-batched-tokens", type=int, default=2048, help="most tokens in one step")
+    add_flag(parser, "--max-num-seqs", type=int, default=256, help="most requests in one step")
+    add_flag(parser, "--num-threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    add_common_flags(parser)
+    return parser
+
+
+def config_from_args(argv: list[str] | None = None) -> WorkerConfig:
+    args = build_parser().parse_args(argv)
+    return WorkerConfig(
+        worker_addr=args.worker_addr,
+        model=args.model or None,
+        served_model_name=args.served_model_name or None,
+        cache_dir=args.cache_dir or None,
+        dtype=args.dtype,
+        device=args.device,
+        kv_cache_bytes=args.kv_cache_bytes,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        num_threads=args.num_threads,
+        log_level=args.log_level,
+        shutdown_timeout=args.shutdown_timeout,
+    )
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return bool(re.search(r"\b(amx_bf16|avx512_bf16)\b", flags))
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda":
+        raise ValueError(
+            "--device cuda is not implemented yet: the CUDA attention/sampling kernels are a later task; "
+            "use --device cpu"
+        )
+    return torch.device("cpu")
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cuda" or cpu_has_native_bf16():
+        return torch.bfloat16
+    return torch.float32

@@ -1,0 +1,23 @@
+"""Gated activations on a fused [gate | up] projection."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    """silu(gate) * up for x = [gate | up] along the last dimension (Llama's SwiGLU MLP)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+_ACTIVATIONS = {"silu": SiluAndMul}
+
+
+def get_act_and_mul(name: str) -> nn.Module:
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"unsupported hidden_act {name!r}; supported: {sorted(_ACTIVATIONS)}")
+    return _ACTIVATIONS[name]()

@@ -1,0 +1,90 @@
+"""Builds a model from a Hugging Face folder of safetensors (sharded or not), or a GGUF file.
+
+GGUF files are first converted once into a safetensors folder by `services.common.model_files`.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from services.common.model_files import resolve_model
+from services.worker.attention.backend import AttentionBackend
+from services.worker.models import get_model_class
+
+logger = logging.getLogger(__name__)
+
+
+def load_config(model_path: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(model_path))
+
+
+def safetensors_files(model_path: Path) -> list[Path]:
+    index = model_path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_path / name for name in sorted(set(weight_map.values()))]
+    files = sorted(model_path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors weights in {model_path}")
+    return files
+
+
+def iterate_weights(model_path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every checkpoint tensor, one file open at a time (memory-mapped)."""
+    for path in safetensors_files(model_path):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(
+    model: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    backend: AttentionBackend,
+    cache_dir: str | None = None,
+    config=None,
+) -> nn.Module:
+    """Returns the model in eval mode with every parameter filled from the checkpoint."""
+    model_path = Path(model)
+    if model_path.suffix == ".gguf":
+        model_path = resolve_model(str(model_path), cache_dir).path
+    config = config or load_config(model_path)
+    model_cls = get_model_class(getattr(config, "architectures", None))
+    start = time.monotonic()
+    with _default_dtype(dtype), torch.device(device):
+        # Parameters are created uninitialised (torch.empty): the checkpoint fills them.
+        net = model_cls(config, backend)
+    with torch.no_grad():
+        loaded = net.load_weights(iterate_weights(model_path))
+    missing = {name for name, _ in net.named_parameters()} - loaded
+    if missing:
+        raise ValueError(f"checkpoint in {model_path} lacks {sorted(missing)[:5]} ({len(missing)} missing)")
+    net.eval().requires_grad_(False)
+    num_params = sum(p.numel() for p in net.parameters())
+    logger.info(
+        "loaded %s (%s, %.0fM parameters, %s) in %.1f s",
+        model_cls.__name__, model_path.name, num_params / 1e6, str(dtype).removeprefix("torch."),
+        time.monotonic() - start,
+    )
+    return net

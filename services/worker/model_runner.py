@@ -1,0 +1,226 @@
+"""The model runner: applies each step's SchedulerOutput diff to the persistent batch, builds the
+flat inputs, runs the model and samples.
+
+Per step (`execute_model`):
+1. drop finished requests, take preempted ones out of the batch (their state is kept for a resume);
+2. add new requests; for cached ones append new blocks and take the scheduler's num_computed_tokens
+   (a resumed request replaces its block table and, if sent, its tokens);
+3. for the requests in `num_scheduled_tokens` order, build input ids, positions, slot mapping,
+   query start locations, sequence lengths and block tables;
+4. forward; logits only for the last scheduled token of requests whose computed tokens reach the
+   end of their known tokens (a partial prefill chunk samples nothing);
+5. sample, and append each sampled token to its request: the scheduler never resends them.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from services.common.messages import ModelRunnerOutput, SchedulerOutput
+from services.worker.attention.backend import AttentionBackend, CommonAttentionMetadata
+from services.worker.config import RunnerConfig
+from services.worker.input_batch import CachedRequestState, InputBatch
+from services.worker.kv_cache import KVCacheLayout, allocate_kv_caches
+from services.worker.sampler import Sampler, TorchSampler
+from services.worker.sampling_metadata import build_sampling_metadata
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    req_ids: list[str]  # batch order
+    rows: np.ndarray  # persistent-batch row of each request
+    num_scheduled_tokens: np.ndarray
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_metadata: object
+    sample_indices: np.ndarray  # which requests (batch indices) sample this step
+    logits_indices: torch.Tensor  # their last tokens in the flat batch
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: RunnerConfig,
+        device: torch.device,
+        attn_backend: AttentionBackend,
+        kv_cache_layout: KVCacheLayout,
+        vocab_size: int,
+        eos_token_ids: tuple[int, ...] = (),
+        sampler: Sampler | None = None,
+    ):
+        self.model = model
+        self.config = config
+        self.device = device
+        self.attn_backend = attn_backend
+        self.kv_cache_layout = kv_cache_layout
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.sampler = sampler or TorchSampler()
+        self.requests: dict[str, CachedRequestState] = {}
+        self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, config.block_size)
+        self.kv_caches: list[torch.Tensor] = []
+
+    # --- lifecycle ------------------------------------------------------------------------------
+    def initialize_kv_cache(self, num_blocks: int) -> int:
+        """Allocates `num_blocks` blocks per layer, binds them to the attention layers and drops all
+        request state (a new scheduler starts from an empty cache). Returns the bytes allocated."""
+        self.reset()
+        self.kv_caches = []  # free the old cache before allocating the new one
+        for layer in self.model.attention_layers():
+            layer.kv_cache = None
+        self.kv_caches = allocate_kv_caches(self.kv_cache_layout, num_blocks, self.attn_backend, self.device)
+        for layer, cache in zip(self.model.attention_layers(), self.kv_caches, strict=True):
+            layer.kv_cache = cache
+        return num_blocks * self.kv_cache_layout.bytes_per_block
+
+    def reset(self) -> None:
+        self.requests.clear()
+        self.input_batch.clear()
+
+    # --- one step -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        start = time.perf_counter_ns()
+        self._update_states(scheduler_output)
+        if not self.kv_caches:
+            raise RuntimeError("KV cache not initialised: InitializeKVCache must come first")
+        inputs = self._prepare_inputs(scheduler_output)
+        if inputs is None:
+            return ModelRunnerOutput(step_id=scheduler_output.step_id, prepare_ns=time.perf_counter_ns() - start)
+        prepared = time.perf_counter_ns()
+        hidden_states = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        logits = None
+        if len(inputs.sample_indices):
+            logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
+        forwarded = time.perf_counter_ns()
+        sampled = [[] for _ in inputs.req_ids]
+        logprobs = [None] * len(inputs.req_ids)
+        if logits is not None:
+            self._sample(inputs, logits, sampled, logprobs)
+        for row, n in zip(inputs.rows.tolist(), inputs.num_scheduled_tokens.tolist()):
+            self.input_batch.set_num_computed_tokens(row, int(self.input_batch.num_computed_tokens_cpu[row]) + n)
+        done = time.perf_counter_ns()
+        return ModelRunnerOutput(
+            req_ids=inputs.req_ids,
+            sampled_token_ids=sampled,
+            logprobs=logprobs,
+            prepare_ns=prepared - start,
+            forward_ns=forwarded - prepared,
+            sample_ns=done - forwarded,
+            step_id=scheduler_output.step_id,
+        )
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        batch = self.input_batch
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+            batch.remove_request(req_id)
+        for req_id in so.preempted_req_ids:
+            batch.remove_request(req_id)  # state kept: it comes back as a resumed cached request
+        for new in so.scheduled_new_reqs:
+            seed = new.sampling_params.seed
+            state = CachedRequestState(
+                req_id=new.req_id,
+                prompt_token_ids=list(new.prompt_token_ids),
+                sampling_params=new.sampling_params,
+                generator=torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+            )
+            self.requests[new.req_id] = state
+            batch.add_request(state)
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests.get(req_id)
+            if state is None:
+                raise ValueError(f"scheduler sent cached request {req_id!r} that this worker does not hold")
+            new_block_ids = cached.new_block_ids[i] if i < len(cached.new_block_ids) else []
+            resumed = i < len(cached.resumed_from_preemption) and cached.resumed_from_preemption[i]
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            if resumed or req_id not in batch.req_id_to_index:
+                if resumed:
+                    state.block_ids = list(new_block_ids)
+                    tokens = cached.resumed_token_ids[i] if i < len(cached.resumed_token_ids) else []
+                    if tokens:
+                        state.output_token_ids = list(tokens[len(state.prompt_token_ids):])
+                else:
+                    state.block_ids.extend(new_block_ids)
+                batch.add_request(state)
+            else:
+                row = batch.req_id_to_index[req_id]
+                batch.append_block_ids(row, new_block_ids)
+                batch.set_num_computed_tokens(row, state.num_computed_tokens)
+        batch.condense()
+
+    def _prepare_inputs(self, so: SchedulerOutput) -> ModelInputs | None:
+        batch = self.input_batch
+        scheduled = [(r, n) for r, n in so.num_scheduled_tokens.items() if n > 0]
+        if not scheduled:
+            return None
+        req_ids = [r for r, _ in scheduled]
+        try:
+            rows = np.array([batch.req_id_to_index[r] for r in req_ids], dtype=np.int64)
+        except KeyError as exc:
+            raise ValueError(f"request {exc.args[0]!r} scheduled but unknown to this worker") from None
+        num_scheduled = np.array([n for _, n in scheduled], dtype=np.int64)
+        num_computed = batch.num_computed_tokens_cpu[rows]
+        num_tokens = batch.num_tokens[rows]
+        seq_lens = num_computed + num_scheduled
+        if (seq_lens > num_tokens).any():
+            i = int(np.argmax(seq_lens > num_tokens))
+            raise ValueError(
+                f"request {req_ids[i]!r}: {int(num_computed[i])} computed + {int(num_scheduled[i])} scheduled "
+                f"tokens exceed the {int(num_tokens[i])} tokens the worker knows"
+            )
+        query_start_loc = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(num_scheduled, out=query_start_loc[1:])
+        num_total = int(query_start_loc[-1])
+        req_of_token = np.repeat(np.arange(len(rows)), num_scheduled)
+        positions = num_computed[req_of_token] + np.arange(num_total) - query_start_loc[req_of_token]
+        token_rows = rows[req_of_token]
+        input_ids = batch.token_ids_cpu[token_rows, positions]
+        slot_mapping = batch.block_table.compute_slot_mapping(token_rows, positions)
+        max_num_blocks = -(-int(seq_lens.max()) // self.config.block_size)
+        common = CommonAttentionMetadata(
+            query_start_loc=torch.from_numpy(query_start_loc).to(self.device),
+            seq_lens=torch.from_numpy(seq_lens).to(self.device),
+            slot_mapping=torch.from_numpy(slot_mapping).to(self.device),
+            block_table=batch.block_table.get_tensor(rows, max_num_blocks).to(self.device),
+            block_size=self.config.block_size,
+            query_lens_cpu=num_scheduled.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+        )
+        sample_indices = np.flatnonzero(seq_lens == num_tokens)
+        return ModelInputs(
+            req_ids=req_ids,
+            rows=rows,
+            num_scheduled_tokens=num_scheduled,
+            input_ids=torch.from_numpy(input_ids).to(self.device),
+            positions=torch.from_numpy(positions).to(self.device),
+            attn_metadata=self.attn_backend.build_metadata(common),
+            sample_indices=sample_indices,
+            logits_indices=torch.from_numpy(query_start_loc[1:][sample_indices] - 1).to(self.device),
+        )
+
+    def _sample(self, inputs: ModelInputs, logits: torch.Tensor, sampled: list, logprobs: list) -> None:
+        states = [self.input_batch.requests[int(inputs.rows[i])] for i in inputs.sample_indices]
+        metadata = build_sampling_metadata(
+            params=[s.sampling_params for s in states],
+            generators=[s.generator for s in states],
+            prompt_token_ids=[s.prompt_token_ids for s in states],
+            output_token_ids=[s.output_token_ids for s in states],
+            eos_token_ids=self.eos_token_ids,
+            vocab_size=self.vocab_size,
+            device=self.device,
+        )
+        output = self.sampler(logits, metadata)
+        for j, i in enumerate(inputs.sample_indices.tolist()):
+            token_id = output.sampled_token_ids[j]
+            self.input_batch.append_token(int(inputs.rows[i]), token_id)
+            sampled[i] = [token_id]
+            logprobs[i] = output.logprobs[j]

@@ -1,0 +1,128 @@
+"""The WorkerService gRPC server.
+
+The model runs in ONE dedicated thread (a single-worker executor): steps are serialised, and the
+event loop stays free for health checks and the stream's I/O. Protobuf decoding and encoding
+happen in that thread too. A step that raises is answered with `error_message` rather than
+breaking the stream.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from services.common import codec
+from services.common.grpc_server import GrpcServer, install_stop_signals
+from services.common.pb import worker_pb2, worker_pb2_grpc
+from services.worker.config import WorkerConfig
+from services.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
+    def __init__(self, worker: Worker, executor: ThreadPoolExecutor):
+        self.worker = worker
+        self.executor = executor
+        self.is_ready = False
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def _require_ready(self, context: grpc.aio.ServicerContext) -> None:
+        if not self.is_ready:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is still loading the model")
+
+    async def DescribeKVCache(self, request, context):
+        await self._require_ready(context)
+        return codec.kv_cache_spec_to_pb(self.worker.describe_kv_cache())
+
+    async def InitializeKVCache(self, request, context):
+        await self._require_ready(context)
+        try:
+            num_blocks, num_bytes = await self._run(self.worker.initialize_kv_cache, request.num_blocks)
+        except (ValueError, RuntimeError, MemoryError) as exc:
+            logger.exception("InitializeKVCache(%d) failed", request.num_blocks)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"cannot allocate the KV cache: {exc}")
+        return worker_pb2.InitializeKVCacheResponse(num_blocks=num_blocks, kv_cache_bytes=num_bytes)
+
+    async def ExecuteModel(self, request_iterator, context):
+        await self._require_ready(context)
+        async for request in request_iterator:
+            yield await self._run(self._step, request)
+
+    def _step(self, request: worker_pb2.ExecuteModelRequest) -> worker_pb2.ExecuteModelResponse:
+        step_id = request.scheduler_output.step_id
+        try:
+            scheduler_output = codec.scheduler_output_from_pb(request.scheduler_output)
+            output = self.worker.execute_model(scheduler_output)
+            return worker_pb2.ExecuteModelResponse(model_runner_output=codec.model_runner_output_to_pb(output))
+        except Exception as exc:  # noqa: BLE001 - any failure is reported to the scheduler, not raised
+            logger.exception("step %d failed", step_id)
+            return worker_pb2.ExecuteModelResponse(
+                model_runner_output=worker_pb2.ModelRunnerOutput(step_id=step_id),
+                error_message=f"worker step {step_id} failed: {type(exc).__name__}: {exc}",
+            )
+
+
+class WorkerServer:
+    """Starts serving health (NOT_SERVING) at once, then loads the model and turns SERVING."""
+
+    def __init__(self, config: WorkerConfig, worker: Worker | None = None):
+        self.config = config
+        self.worker = worker or Worker(config)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-runner")
+        self.servicer = WorkerServicer(self.worker, self.executor)
+        self.grpc = GrpcServer(config.worker_addr, [SERVICE_NAME])
+        worker_pb2_grpc.add_WorkerServiceServicer_to_server(self.servicer, self.grpc.server)
+
+    @property
+    def address(self) -> str:
+        host = self.config.worker_addr.rsplit(":", 1)[0]
+        return f"{host}:{self.grpc.port}"
+
+    async def start(self) -> None:
+        await self.grpc.start()
+        logger.info("worker listening on %s (NOT_SERVING until the model is loaded)", self.address)
+
+    async def load(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(self.executor, self.worker.load_model)
+        self.servicer.is_ready = True
+        await self.grpc.set_serving(True)
+        spec = self.worker.describe_kv_cache()
+        logger.info(
+            "worker ready on %s (model %s, dtype %s, device %s, %d KV blocks of %d tokens, max_model_len %d)",
+            self.address, spec.model_name, spec.dtype, spec.device, spec.num_blocks, spec.block_size,
+            spec.max_model_len,
+        )
+
+    async def stop(self, grace_s: float) -> None:
+        self.servicer.is_ready = False
+        await self.grpc.stop(grace_s)
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+async def serve(config: WorkerConfig) -> int:
+    """Runs until SIGTERM/SIGINT; returns the process exit code."""
+    server = WorkerServer(config)
+    stop = asyncio.Event()
+    install_stop_signals(stop)
+    await server.start()
+    load = asyncio.ensure_future(server.load())
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({load, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if load.done() and load.exception() is not None:
+        logger.error("worker failed to start: %s", load.exception(), exc_info=load.exception())
+        code = 1
+    elif not stop.is_set():
+        await stopped
+    logger.info("worker stopping (grace %.0f s)", config.shutdown_timeout)
+    await server.stop(config.shutdown_timeout)
+    if not load.done():
+        load.cancel()
+    return code

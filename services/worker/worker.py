@@ -1,0 +1,119 @@
+"""The worker: owns the device, the weights, the KV cache and the model runner.
+
+Synchronous and gRPC-free; the server calls it from one dedicated thread.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from services.common.messages import KVCacheSpec, ModelRunnerOutput, SchedulerOutput
+from services.common.model_files import resolve_model
+from services.worker.attention.torch_backend import TorchAttentionBackend
+from services.worker.config import RunnerConfig, WorkerConfig, resolve_device, resolve_dtype
+from services.worker.kv_cache import KVCacheLayout, num_blocks_for_budget
+from services.worker.model_loader import load_config, load_model
+from services.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_max_model_len(hf_config, requested: int | None) -> int:
+    """The flag's value, capped by the model's position limit (and a sliding window, which our
+    attention does not implement, so longer sequences are refused rather than computed wrongly)."""
+    limit = int(hf_config.max_position_embeddings)
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True):
+        limit = min(limit, int(window))
+    return min(requested, limit) if requested else limit
+
+
+def eos_token_ids(hf_config, model_path) -> tuple[int, ...]:
+    from transformers import GenerationConfig
+
+    ids = getattr(hf_config, "eos_token_id", None)
+    try:
+        ids = GenerationConfig.from_pretrained(str(model_path)).eos_token_id or ids
+    except OSError:
+        pass
+    if ids is None:
+        return ()
+    return tuple(ids) if isinstance(ids, (list, tuple)) else (int(ids),)
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model_name = ""
+        self.model_runner: ModelRunner | None = None
+        self.kv_cache_spec: KVCacheSpec | None = None
+        self.num_blocks = 0  # allocated by initialize_kv_cache
+
+    def load_model(self) -> None:
+        """Resolves (and if needed converts) the model, loads weights, sizes the KV cache."""
+        if self.config.num_threads:
+            torch.set_num_threads(self.config.num_threads)
+        logger.info("resolving model %s", self.config.model or "(embedded default)")
+        resolved = resolve_model(self.config.model, self.config.cache_dir)
+        self.model_name = self.config.served_model_name or resolved.name
+        hf_config = load_config(resolved.path)
+        backend = TorchAttentionBackend()
+        logger.info("loading weights from %s (%s, %s)", resolved.path, self.device, _dtype_name(self.dtype))
+        model = load_model(resolved.path, self.dtype, self.device, backend, config=hf_config)
+        runner_config = RunnerConfig(
+            block_size=self.config.block_size,
+            max_model_len=resolve_max_model_len(hf_config, self.config.max_model_len),
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+        )
+        attn = model.attention_layers()
+        layout = KVCacheLayout(len(attn), attn[0].num_kv_heads, attn[0].head_dim, self.config.block_size, self.dtype)
+        logger.info("sizing KV cache: %.0f MiB budget, %d bytes per block",
+                    self.config.kv_cache_bytes / 2**20, layout.bytes_per_block)
+        num_blocks = num_blocks_for_budget(
+            layout, self.config.kv_cache_bytes, runner_config.max_model_len, runner_config.max_num_seqs
+        )
+        self.model_runner = ModelRunner(
+            model, runner_config, self.device, backend, layout,
+            vocab_size=hf_config.vocab_size, eos_token_ids=eos_token_ids(hf_config, resolved.path),
+        )
+        self.kv_cache_spec = KVCacheSpec(
+            block_size=self.config.block_size,
+            num_blocks=num_blocks,
+            block_bytes=layout.bytes_per_block,
+            max_model_len=runner_config.max_model_len,
+            model_name=self.model_name,
+            device=str(self.device),
+            dtype=_dtype_name(self.dtype),
+            vocab_size=hf_config.vocab_size,
+        )
+
+    def describe_kv_cache(self) -> KVCacheSpec:
+        if self.kv_cache_spec is None:
+            raise RuntimeError("model not loaded yet")
+        return self.kv_cache_spec
+
+    def initialize_kv_cache(self, num_blocks: int) -> tuple[int, int]:
+        """Allocates min(num_blocks, what fits) blocks (all that fit when num_blocks <= 0) and drops
+        every request of an earlier scheduler connection. Returns (num_blocks, bytes)."""
+        spec = self.describe_kv_cache()
+        num_blocks = spec.num_blocks if num_blocks <= 0 else max(1, min(num_blocks, spec.num_blocks))
+        start = time.monotonic()
+        num_bytes = self.model_runner.initialize_kv_cache(num_blocks)
+        self.num_blocks = num_blocks
+        logger.info("KV cache: %d blocks of %d tokens (%.0f MiB) allocated in %.2f s",
+                    num_blocks, spec.block_size, num_bytes / 2**20, time.monotonic() - start)
+        return num_blocks, num_bytes
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.model_runner is None:
+            raise RuntimeError("model not loaded yet")
+        return self.model_runner.execute_model(scheduler_output)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

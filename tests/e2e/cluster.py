@@ -1,0 +1,96 @@
+"""Starts the three services as separate processes on free ports, as a deployment would."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class SpindleCluster:
+    """frontend + scheduler + worker, each `python -m services.<name>`, configured by SPINDLE_* variables."""
+
+    def __init__(self, log_dir: Path, env: dict[str, str] | None = None):
+        self.log_dir = log_dir
+        self.http_port = free_port()
+        self.frontend_grpc_addr = f"127.0.0.1:{free_port()}"
+        self.scheduler_addr = f"127.0.0.1:{free_port()}"
+        self.worker_addr = f"127.0.0.1:{free_port()}"
+        self.env = {
+            **os.environ,
+            "SPINDLE_HTTP_HOST": "127.0.0.1",
+            "SPINDLE_HTTP_PORT": str(self.http_port),
+            "SPINDLE_FRONTEND_GRPC_ADDR": self.frontend_grpc_addr,
+            "SPINDLE_SCHEDULER_ADDR": self.scheduler_addr,
+            "SPINDLE_WORKER_ADDR": self.worker_addr,
+            "SPINDLE_DTYPE": "float32",
+            "SPINDLE_SHUTDOWN_TIMEOUT": "5",
+            "PYTHONUNBUFFERED": "1",
+            **(env or {}),
+        }
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def start_service(self, name: str) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}.log", "ab")
+        proc = subprocess.Popen([sys.executable, "-m", f"services.{name}"], cwd=ROOT, env=self.env,
+                                stdout=log, stderr=subprocess.STDOUT)
+        self.procs[name] = proc
+        return proc
+
+    def start(self, timeout_s: float = 300) -> "SpindleCluster":
+        for name in ("worker", "scheduler", "frontend"):
+            self.start_service(name)
+        self.wait_healthy(timeout_s)
+        return self
+
+    def wait_healthy(self, timeout_s: float = 300) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for name, proc in self.procs.items():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.log_tail(name)}")
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError("services did not become healthy:\n" + "\n".join(self.log_tail(n) for n in self.procs))
+
+    def log_tail(self, name: str, num_chars: int = 4000) -> str:
+        path = self.log_dir / f"{name}.log"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return f"--- {name} ---\n{text[-num_chars:]}"
+
+    def stop_service(self, name: str, sig: int = signal.SIGTERM, timeout_s: float = 30) -> int:
+        proc = self.procs[name]
+        if proc.poll() is None:
+            proc.send_signal(sig)
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        return proc.returncode
+
+    def stop(self) -> None:
+        for name in ("frontend", "scheduler", "worker"):
+            if name in self.procs:
+                self.stop_service(name)

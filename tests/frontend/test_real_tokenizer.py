@@ -1,0 +1,63 @@
+"""The frontend with the embedded default model's real tokenizer and chat template (fake engine)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.frontend.detokenizer import IncrementalDetokenizer
+from services.frontend.tokenizer import eos_token_ids, load_tokenizer, render_chat_prompt
+from tests.frontend.fakes import FakeEngineClient, read_sse
+from tests.openai_schema import validate
+
+pytestmark = pytest.mark.slow  # converts the default model on first use (about 30 s)
+
+
+@pytest.fixture(scope="module")
+def model():
+    from services.common.model_files import resolve_model
+
+    return resolve_model(None, None)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model):
+    return load_tokenizer(model.path)
+
+
+def test_chat_template_and_eos(model, tokenizer):
+    ids = render_chat_prompt(tokenizer, [{"role": "user", "content": "What is the capital of France?"}])
+    text = tokenizer.decode(ids)
+    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
+    assert 2 in eos_token_ids(tokenizer, model.path)
+
+
+@pytest.mark.parametrize("text", ["The capital of France is Paris.", "日本語 😀😀 👍🏽 café 中文", "a  b\n\n\tc"])
+def test_detokenizer_matches_decode(tokenizer, text):
+    prompt = render_chat_prompt(tokenizer, [{"role": "user", "content": "Hi"}])
+    output = tokenizer.encode(text, add_special_tokens=False) + [2]
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    deltas = [detok.update([t], is_finished=i == len(output) - 1) for i, t in enumerate(output)]
+    assert "".join(deltas) == text
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def test_chat_through_the_app(model, tokenizer):
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from services.frontend.app import create_app
+    from services.frontend.serving_engine import ServingModel
+
+    async def scenario():
+        engine = FakeEngineClient(tokenizer, "Paris 🇫🇷 est la capitale.")
+        serving = ServingModel(model.name, tokenizer, eos_token_ids(tokenizer, model.path))
+        async with TestClient(TestServer(create_app(engine, serving))) as client:
+            body = {"model": model.name, "messages": [{"role": "user", "content": "Capital of France?"}]}
+            full = await (await client.post("/v1/chat/completions", json=body)).json()
+            chunks, _ = await read_sse(await client.post("/v1/chat/completions", json={**body, "stream": True}))
+            return full, chunks
+
+    full, chunks = asyncio.run(scenario())
+    validate(full, "CreateChatCompletionResponse")
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert streamed == full["choices"][0]["message"]["content"] == "Paris 🇫🇷 est la capitale."

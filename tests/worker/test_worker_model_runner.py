@@ -1,0 +1,137 @@
+"""ModelRunner driven directly with SchedulerOutput dataclasses: greedy parity with transformers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.common.messages import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from worker_helpers import VOCAB_SIZE, MiniScheduler, hf_greedy, make_runner
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def _prompts(lengths: list[int], seed: int = 1) -> dict[str, list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"req-{i}": torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist() for i, n in enumerate(lengths)}
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+def test_batched_greedy_matches_transformers(model_fixture, request):
+    """Several requests of different lengths in one batch, prompts spanning many 4-token blocks;
+    a 32-token budget splits the longer prompts into chunks over several steps, so steps mix
+    prefill chunks with decodes."""
+    model_dir = request.getfixturevalue(model_fixture)
+    runner = make_runner(model_dir, block_size=4)
+    prompts = _prompts([23, 9, 41, 1, 16])
+    scheduler = MiniScheduler(block_size=4, token_budget=32)
+    for req_id, prompt in prompts.items():
+        scheduler.add(req_id, prompt, max_tokens=10)
+    scheduler.run(runner)
+    for req_id, prompt in prompts.items():
+        assert scheduler.outputs(req_id) == hf_greedy(model_dir, prompt, 10), req_id
+
+
+def test_prompt_prefilled_in_two_chunks(tiny_llama_dir):
+    """Hand-built steps: a 14-token prompt as 8 + 6 tokens; the partial chunk samples nothing."""
+    prompt = _prompts([14])["req-0"]
+    expected = hf_greedy(tiny_llama_dir, prompt, 3)
+    runner = make_runner(tiny_llama_dir, block_size=4)
+
+    step0 = SchedulerOutput(
+        scheduled_new_reqs=[NewRequestData("a", prompt, GREEDY, block_ids=[5, 9], num_computed_tokens=0)],
+        num_scheduled_tokens={"a": 8}, total_num_scheduled_tokens=8, step_id=0,
+    )
+    out0 = runner.execute_model(step0)
+    assert out0.req_ids == ["a"] and out0.sampled_token_ids == [[]] and out0.step_id == 0
+
+    def cached_step(step_id: int, new_blocks: list[int], num_computed: int, n: int) -> SchedulerOutput:
+        return SchedulerOutput(
+            scheduled_cached_reqs=CachedRequestData(["a"], [False], [new_blocks], [num_computed], [[]]),
+            num_scheduled_tokens={"a": n}, total_num_scheduled_tokens=n, step_id=step_id,
+        )
+
+    out1 = runner.execute_model(cached_step(1, [2, 7], 8, 6))  # tokens 8..13; blocks for 16 slots
+    assert out1.sampled_token_ids == [[expected[0]]]
+    out2 = runner.execute_model(cached_step(2, [], 14, 1))
+    out3 = runner.execute_model(cached_step(3, [], 15, 1))
+    assert [out2.sampled_token_ids[0][0], out3.sampled_token_ids[0][0]] == expected[1:]
+    assert out3.forward_ns > 0 and out3.prepare_ns > 0
+
+
+def test_finished_and_preempted_requests(tiny_llama_dir):
+    """A finished request leaves; a preempted one resumes with a new block table and recomputes."""
+    prompts = _prompts([10, 6])
+    expected = {r: hf_greedy(tiny_llama_dir, p, 4) for r, p in prompts.items()}
+    runner = make_runner(tiny_llama_dir, block_size=4)
+    a, b = prompts["req-0"], prompts["req-1"]
+    out = runner.execute_model(SchedulerOutput(
+        scheduled_new_reqs=[NewRequestData("a", a, GREEDY, [1, 2, 3], 0), NewRequestData("b", b, GREEDY, [4, 5], 0)],
+        num_scheduled_tokens={"a": 10, "b": 6}, total_num_scheduled_tokens=16,
+    ))
+    assert out.req_ids == ["a", "b"]
+    a_tokens, b_tokens = a + out.sampled_token_ids[0], b + out.sampled_token_ids[1]
+    # b is preempted; a decodes alone.
+    out = runner.execute_model(SchedulerOutput(
+        scheduled_cached_reqs=CachedRequestData(["a"], [False], [[]], [10], [[]]),
+        num_scheduled_tokens={"a": 1}, total_num_scheduled_tokens=1, preempted_req_ids={"b"},
+    ))
+    a_tokens += out.sampled_token_ids[0]
+    assert "b" not in runner.input_batch.req_id_to_index
+    # b resumes in other blocks and recomputes prompt + its sampled token; a finishes.
+    out = runner.execute_model(SchedulerOutput(
+        scheduled_cached_reqs=CachedRequestData(["b"], [True], [[8, 9]], [0], [b_tokens]),
+        num_scheduled_tokens={"b": len(b_tokens)}, total_num_scheduled_tokens=len(b_tokens), finished_req_ids={"a"},
+    ))
+    b_tokens += out.sampled_token_ids[0]
+    assert "a" not in runner.requests and runner.input_batch.num_reqs == 1
+    assert a_tokens[len(a):] == expected["req-0"][:2]
+    assert b_tokens[len(b):] == expected["req-1"][:2]
+
+
+def test_unknown_request_raises_and_empty_step(tiny_llama_dir):
+    runner = make_runner(tiny_llama_dir)
+    assert runner.execute_model(SchedulerOutput(step_id=7)).req_ids == []
+    with pytest.raises(ValueError, match="does not hold"):
+        runner.execute_model(SchedulerOutput(
+            scheduled_cached_reqs=CachedRequestData(["ghost"], [False], [[]], [3], [[]]),
+            num_scheduled_tokens={"ghost": 1}, total_num_scheduled_tokens=1,
+        ))
+
+
+def test_scheduling_more_tokens_than_known_raises(tiny_llama_dir):
+    runner = make_runner(tiny_llama_dir)
+    with pytest.raises(ValueError, match="exceed"):
+        runner.execute_model(SchedulerOutput(
+            scheduled_new_reqs=[NewRequestData("a", [5, 6, 7], GREEDY, [1], 0)],
+            num_scheduled_tokens={"a": 4}, total_num_scheduled_tokens=4,
+        ))
+
+
+def test_initialize_kv_cache_drops_requests(tiny_llama_dir):
+    runner = make_runner(tiny_llama_dir)
+    runner.execute_model(SchedulerOutput(
+        scheduled_new_reqs=[NewRequestData("a", [5, 6, 7], GREEDY, [1], 0)],
+        num_scheduled_tokens={"a": 3}, total_num_scheduled_tokens=3,
+    ))
+    assert runner.input_batch.num_reqs == 1
+    runner.initialize_kv_cache(16)
+    assert runner.input_batch.num_reqs == 0 and not runner.requests
+    assert runner.kv_caches[0].shape[1] == 16
+
+
+def test_seeded_sampling_independent_of_batch(tiny_llama_dir):
+    """The same seed gives the same tokens alone and batched with other (random) requests."""
+    prompts = _prompts([12, 7, 20])
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234)
+
+    def run(batch: dict[str, list[int]]) -> list[int]:
+        scheduler = MiniScheduler(block_size=4, token_budget=64)
+        for req_id, prompt in batch.items():
+            params = seeded if req_id == "req-0" else SamplingParams(temperature=1.0)
+            scheduler.add(req_id, prompt, max_tokens=8, params=params)
+        scheduler.run(make_runner(tiny_llama_dir))
+        return scheduler.outputs("req-0")
+
+    alone = run({"req-0": prompts["req-0"]})
+    together = run({"req-2": prompts["req-2"], "req-1": prompts["req-1"], "req-0": prompts["req-0"]})
+    assert alone == together

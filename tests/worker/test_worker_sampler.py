@@ -1,0 +1,101 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from services.common.messages import SamplingParams
+from services.worker.sampler import TorchSampler, apply_top_k_top_p
+from services.worker.sampling_metadata import build_sampling_metadata
+
+VOCAB = 64
+
+
+def _sample(logits: torch.Tensor, params: list[SamplingParams], outputs=None, eos=(2,)):
+    generators = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in params]
+    outputs = outputs or [[] for _ in params]
+    metadata = build_sampling_metadata(params, generators, [[] for _ in params], outputs, eos, VOCAB,
+                                       torch.device("cpu"))
+    return TorchSampler()(logits.clone(), metadata)
+
+
+def _logits(rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_fast_path_and_temperature_zero():
+    logits = _logits(4)
+    out = _sample(logits, [SamplingParams(temperature=0.0)] * 4)
+    assert out.sampled_token_ids == logits.argmax(-1).tolist()
+    assert out.logprobs == [None] * 4
+
+
+def test_top_k_1_equals_greedy_even_at_high_temperature():
+    logits = _logits(3)
+    params = [SamplingParams(temperature=5.0, top_k=1), SamplingParams(temperature=5.0), SamplingParams(temperature=0)]
+    out = _sample(logits, params)
+    greedy = logits.argmax(-1).tolist()
+    assert out.sampled_token_ids[0] == greedy[0] and out.sampled_token_ids[2] == greedy[2]
+
+
+def test_seed_gives_same_tokens_wherever_the_row_sits():
+    target = _logits(1, seed=5)
+    seeded = SamplingParams(temperature=1.0, seed=42)
+    alone = [_sample(target, [seeded]).sampled_token_ids[0] for _ in range(3)]
+    assert len(set(alone)) == 1  # fresh generator each time: same draw
+    others = _logits(5, seed=9)
+    for position in range(6):
+        logits = torch.cat([others[:position], target, others[position:]])
+        params = [SamplingParams(temperature=0.7)] * 6
+        params[position] = seeded
+        assert _sample(logits, params).sampled_token_ids[position] == alone[0]
+
+
+def test_seeded_draws_follow_the_distribution():
+    logits = torch.tensor([[0.0, math.log(3.0)] + [-1e9] * (VOCAB - 2)])
+    generator = torch.Generator().manual_seed(0)
+    params = [SamplingParams(temperature=1.0, seed=0)]
+    metadata = build_sampling_metadata(params, [generator], [[]], [[]], (), VOCAB, torch.device("cpu"))
+    counts = [0, 0]
+    for _ in range(2000):
+        counts[TorchSampler()(logits.clone(), metadata).sampled_token_ids[0]] += 1
+    assert 0.70 < counts[1] / 2000 < 0.80  # p = 0.75
+
+
+def test_top_k_top_p_and_min_p_restrict_support():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05] + [1e-9] * (VOCAB - 4)]))
+    for params, allowed in [
+        (SamplingParams(temperature=1.0, top_k=2), {0, 1}),
+        (SamplingParams(temperature=1.0, top_p=0.7), {0, 1}),
+        (SamplingParams(temperature=1.0, top_p=0.85, top_k=3), {0, 1, 2}),
+        (SamplingParams(temperature=1.0, min_p=0.5), {0, 1}),
+    ]:
+        seen = {_sample(logits, [SamplingParams(**{**vars(params), "seed": s})]).sampled_token_ids[0]
+                for s in range(200)}
+        assert seen == allowed, params
+
+
+def test_apply_top_k_top_p_mixed_rows():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0], [1.0, 2.0, 3.0, 4.0]])
+    out = apply_top_k_top_p(logits, torch.tensor([2, 4]), None)
+    assert torch.isinf(out[0, 2:]).all() and torch.isfinite(out[1]).all()
+
+
+def test_logprobs_rank_and_top_alternatives():
+    logits = _logits(2)
+    out = _sample(logits, [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(temperature=0.0)])
+    expected = torch.log_softmax(logits[0], -1)
+    lp = out.logprobs[0]
+    assert lp.rank == 1 and lp.logprob == pytest.approx(expected.max().item(), abs=1e-5)
+    assert [t for t, _ in lp.top_logprobs] == expected.topk(3).indices.tolist()
+    assert out.logprobs[1] is None
+
+
+def test_min_tokens_bans_eos_and_logit_bias():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 2] = 10.0  # EOS most likely
+    assert _sample(logits, [SamplingParams(temperature=0.0, min_tokens=2)], outputs=[[7]]).sampled_token_ids[0] != 2
+    assert _sample(logits, [SamplingParams(temperature=0.0, min_tokens=2)], outputs=[[7, 8]]).sampled_token_ids[0] == 2
+    biased = SamplingParams(temperature=0.0, logit_bias={5: 20.0})
+    assert _sample(logits, [biased]).sampled_token_ids[0] == 5

@@ -1,0 +1,140 @@
+"""The WorkerService over real gRPC: in-process for the RPCs, as a subprocess for start-up and SIGTERM."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common import codec
+from services.common.messages import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from services.common.pb import worker_pb2, worker_pb2_grpc
+from services.worker.config import WorkerConfig
+from services.worker.server import WorkerServer
+from worker_helpers import hf_greedy
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class InProcessServer:
+    """A WorkerServer on its own event loop in a background thread."""
+
+    def __init__(self, config: WorkerConfig):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.server: WorkerServer = self._call(self._start(config))
+
+    async def _start(self, config: WorkerConfig) -> WorkerServer:
+        server = WorkerServer(config)
+        await server.start()
+        await server.load()
+        return server
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=120)
+
+    def close(self) -> None:
+        self._call(self.server.stop(0))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir):
+    config = WorkerConfig(worker_addr="127.0.0.1:0", model=str(tiny_llama_dir), served_model_name="tiny",
+                          dtype="float32", kv_cache_bytes=2**20, block_size=4, max_num_seqs=8)
+    srv = InProcessServer(config)
+    yield srv.server
+    srv.close()
+
+
+@pytest.fixture
+def stub(server):
+    with grpc.insecure_channel(server.address) as channel:
+        yield worker_pb2_grpc.WorkerServiceStub(channel), channel
+
+
+def test_describe_and_initialize(stub):
+    stub, channel = stub
+    health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    spec = codec.kv_cache_spec_from_pb(stub.DescribeKVCache(worker_pb2.DescribeKVCacheRequest()))
+    assert (spec.model_name, spec.block_size, spec.dtype, spec.device) == ("tiny", 4, "float32", "cpu")
+    assert spec.max_model_len == 256 and spec.vocab_size == 512
+    assert spec.num_blocks == 2**20 // spec.block_bytes
+    response = stub.InitializeKVCache(worker_pb2.InitializeKVCacheRequest(num_blocks=100))
+    assert response.num_blocks == 100 and response.kv_cache_bytes == 100 * spec.block_bytes
+
+
+def test_execute_model_stream(stub, tiny_llama_dir):
+    stub, _ = stub
+    stub.InitializeKVCache(worker_pb2.InitializeKVCacheRequest(num_blocks=64))
+    prompt = [11, 22, 33, 44, 55, 66, 77]
+    expected = hf_greedy(tiny_llama_dir, prompt, 3)
+    greedy = SamplingParams(temperature=0.0, logprobs=2)
+    steps = [
+        SchedulerOutput(scheduled_new_reqs=[NewRequestData("a", prompt, greedy, [3, 4], 0)],
+                        num_scheduled_tokens={"a": 7}, total_num_scheduled_tokens=7, step_id=1),
+        # a step the worker cannot run: it answers with an error and the stream goes on
+        SchedulerOutput(scheduled_cached_reqs=CachedRequestData(["ghost"], [False], [[]], [1], [[]]),
+                        num_scheduled_tokens={"ghost": 1}, total_num_scheduled_tokens=1, step_id=2),
+        SchedulerOutput(scheduled_cached_reqs=CachedRequestData(["a"], [False], [[9]], [7], [[]]),
+                        num_scheduled_tokens={"a": 1}, total_num_scheduled_tokens=1, step_id=3),
+    ]
+    requests = (worker_pb2.ExecuteModelRequest(scheduler_output=codec.scheduler_output_to_pb(s)) for s in steps)
+    responses = list(stub.ExecuteModel(requests, timeout=60))
+    assert len(responses) == 3
+    first, failed, third = responses
+    assert not first.error_message and failed.error_message and "ghost" in failed.error_message
+    assert failed.model_runner_output.step_id == 2
+    out1 = codec.model_runner_output_from_pb(first.model_runner_output)
+    out3 = codec.model_runner_output_from_pb(third.model_runner_output)
+    assert out1.req_ids == ["a"] and out1.step_id == 1
+    assert [out1.sampled_token_ids[0][0], out3.sampled_token_ids[0][0]] == expected[:2]
+    assert out1.logprobs[0].rank == 1 and len(out1.logprobs[0].top_logprobs) == 2
+
+
+def test_worker_process_starts_serves_and_stops_on_sigterm(tiny_llama_dir, tmp_path):
+    env = dict(os.environ, SPINDLE_WORKER_ADDR="127.0.0.1:0", SPINDLE_KV_CACHE_BYTES="1MiB",
+               SPINDLE_BLOCK_SIZE="4", SPINDLE_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "services.worker", "--model", str(tiny_llama_dir)],
+                            cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "worker ready on" in line:
+                break
+        ready = [l for l in lines if "worker ready on" in l]
+        assert ready, "".join(lines)
+        assert "dtype float32" in ready[0] and "KV blocks" in ready[0]
+        address = ready[0].split("worker ready on ")[1].split()[0]
+        with grpc.insecure_channel(address) as channel:
+            spec = worker_pb2_grpc.WorkerServiceStub(channel).DescribeKVCache(worker_pb2.DescribeKVCacheRequest())
+            assert spec.model_name == tiny_llama_dir.name
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stderr.close()
+
+
+def test_cuda_device_is_refused_clearly(capsys):
+    from services.worker.__main__ import main
+
+    assert main(["--device", "cuda"]) == 2
+    assert "not implemented" in capsys.readouterr().err
