@@ -88,7 +88,9 @@ def resolve_model(model: str | None, cache_dir: str | os.PathLike | None = None)
         folder = cache / "models" / f"{source.stem}-{tag}"
         ensure_converted(source, folder)
         return ResolvedModel(path=folder, name=source.stem)
-    raise FileNotFoundError(f"--model {model!r}: expected a Hugging Face folder or a .gguf file")
+    if not path.exists():
+        raise FileNotFoundError(f"model {model!r}: no such file or folder")
+    raise FileNotFoundError(f"model {model!r}: expected a Hugging Face folder or a .gguf file")
 
 
 def ensure_converted(gguf_path: Path, folder: Path) -> Path:
@@ -104,7 +106,9 @@ def ensure_converted(gguf_path: Path, folder: Path) -> Path:
         try:
             if _is_complete(folder):  # the other process finished while we waited
                 return folder
-            tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+            _remove_stale_tmp_dirs(folder)
+            logger.info("converting GGUF %s into %s (about 30 s, once)", gguf_path.name, folder)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
             try:
                 convert_gguf(gguf_path, tmp)
                 _make_readable(tmp)
@@ -123,12 +127,14 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    logger.info("converting GGUF %s to safetensors in %s (about 30 s, once)", gguf_path.name, out_dir.parent)
     start = time.monotonic()
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     if not getattr(tokenizer, "chat_template", None):
-        logger.warning("GGUF carries no chat template: using SmolLM2's ChatML template")
-        tokenizer.chat_template = SMOLLM2_CHAT_TEMPLATE
+        if "<|im_start|>" in tokenizer.get_vocab():  # a ChatML model, like the embedded SmolLM2
+            logger.warning("GGUF carries no chat template: using SmolLM2's ChatML template")
+            tokenizer.chat_template = SMOLLM2_CHAT_TEMPLATE
+        else:
+            logger.warning("GGUF carries no chat template and is not ChatML: chat requests will fail")
     model = AutoModelForCausalLM.from_pretrained(
         str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
     )
@@ -146,6 +152,13 @@ _DONE_MARKER = "spindle-converted.txt"
 
 def _is_complete(folder: Path) -> bool:
     return (folder / _DONE_MARKER).is_file() and (folder / "config.json").is_file()
+
+
+def _remove_stale_tmp_dirs(folder: Path) -> None:
+    # Called under the lock, so any temporary folder left is from a conversion that was killed.
+    for stale in folder.parent.glob(f".{folder.name}.tmp-*"):
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def _make_readable(folder: Path) -> None:

@@ -41,6 +41,8 @@ class EngineClient:
         self._call = None
         self._queues: dict[str, asyncio.Queue[EngineCoreOutput]] = {}
         self._connected = asyncio.Event()
+        # grpc.aio allows one write in flight per call; concurrent requests take turns.
+        self._write_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
 
     @property
@@ -102,7 +104,8 @@ class EngineClient:
         if self._call is None or not self._connected.is_set():
             raise EngineError("not connected to the scheduler", "unavailable")
         try:
-            await self._call.write(message)
+            async with self._write_lock:
+                await self._call.write(message)
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
             raise EngineError(f"lost the scheduler: {exc}", "unavailable") from exc
 

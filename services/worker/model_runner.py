@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from services.common.messages import ModelRunnerOutput, SchedulerOutput
+from services.common.messages import CachedRequestData, ModelRunnerOutput, SchedulerOutput
 from services.worker.attention.backend import AttentionBackend, CommonAttentionMetadata
 from services.worker.config import RunnerConfig
 from services.worker.input_batch import CachedRequestState, InputBatch
@@ -134,28 +134,31 @@ class ModelRunner:
             )
             self.requests[new.req_id] = state
             batch.add_request(state)
-        cached = so.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            state = self.requests.get(req_id)
-            if state is None:
-                raise ValueError(f"scheduler sent cached request {req_id!r} that this worker does not hold")
-            new_block_ids = cached.new_block_ids[i] if i < len(cached.new_block_ids) else []
-            resumed = i < len(cached.resumed_from_preemption) and cached.resumed_from_preemption[i]
-            state.num_computed_tokens = cached.num_computed_tokens[i]
-            if resumed or req_id not in batch.req_id_to_index:
-                if resumed:
-                    state.block_ids = list(new_block_ids)
-                    tokens = cached.resumed_token_ids[i] if i < len(cached.resumed_token_ids) else []
-                    if tokens:
-                        state.output_token_ids = list(tokens[len(state.prompt_token_ids):])
-                else:
-                    state.block_ids.extend(new_block_ids)
-                batch.add_request(state)
-            else:
-                row = batch.req_id_to_index[req_id]
-                batch.append_block_ids(row, new_block_ids)
-                batch.set_num_computed_tokens(row, state.num_computed_tokens)
+        for i in range(so.scheduled_cached_reqs.num_reqs):
+            self._update_cached_request(so.scheduled_cached_reqs, i)
         batch.condense()
+
+    def _update_cached_request(self, cached: CachedRequestData, i: int) -> None:
+        req_id = cached.req_ids[i]
+        state = self.requests.get(req_id)
+        if state is None:
+            raise ValueError(f"scheduler sent cached request {req_id!r} that this worker does not hold")
+        new_block_ids = cached.new_block_ids[i] if i < len(cached.new_block_ids) else []
+        is_resumed = i < len(cached.resumed_from_preemption) and cached.resumed_from_preemption[i]
+        row = self.input_batch.req_id_to_index.get(req_id)
+        if row is not None and not is_resumed:  # the common case: a running request's delta
+            self.input_batch.append_block_ids(row, new_block_ids)
+            self.input_batch.set_num_computed_tokens(row, cached.num_computed_tokens[i])
+            return
+        if is_resumed:  # recomputed from scratch in new blocks; resent tokens are the truth
+            state.block_ids = list(new_block_ids)
+            tokens = cached.resumed_token_ids[i] if i < len(cached.resumed_token_ids) else []
+            if tokens:
+                state.output_token_ids = list(tokens[len(state.prompt_token_ids) :])
+        else:
+            state.block_ids.extend(new_block_ids)
+        state.num_computed_tokens = cached.num_computed_tokens[i]
+        self.input_batch.add_request(state)  # (re)builds the whole row from the state
 
     def _prepare_inputs(self, so: SchedulerOutput) -> ModelInputs | None:
         batch = self.input_batch

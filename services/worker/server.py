@@ -117,7 +117,10 @@ async def serve(config: WorkerConfig) -> int:
     await asyncio.wait({load, stopped}, return_when=asyncio.FIRST_COMPLETED)
     code = 0
     if load.done() and load.exception() is not None:
-        logger.error("worker failed to start: %s", load.exception(), exc_info=load.exception())
+        exc = load.exception()
+        # A bad flag or path needs its message, not a traceback.
+        is_user_error = isinstance(exc, (FileNotFoundError, ValueError))
+        logger.error("worker failed to start: %s", exc, exc_info=None if is_user_error else exc)
         code = 1
     elif not stop.is_set():
         await stopped

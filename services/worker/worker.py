@@ -60,9 +60,9 @@ class Worker:
         logger.info("resolving model %s", self.config.model or "(embedded default)")
         resolved = resolve_model(self.config.model, self.config.cache_dir)
         self.model_name = self.config.served_model_name or resolved.name
+        logger.info("loading weights from %s (%s, %s)", resolved.path, self.device, _dtype_name(self.dtype))
         hf_config = load_config(resolved.path)
         backend = TorchAttentionBackend()
-        logger.info("loading weights from %s (%s, %s)", resolved.path, self.device, _dtype_name(self.dtype))
         model = load_model(resolved.path, self.dtype, self.device, backend, config=hf_config)
         runner_config = RunnerConfig(
             block_size=self.config.block_size,

@@ -48,7 +48,7 @@ def references(model):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = SpindleCluster(tmp_path_factory.mktemp("logs"), env={"SPINDLE_KV_CACHE_BYTES": str(256 * 2**20)})
+    c = SpindleCluster(tmp_path_factory.mktemp("logs"), env={"SPINDLE_KV_CACHE_BYTES": str(256 * 2**20), "SPINDLE_MAX_MODEL_LEN": "2048"})
     try:
         yield c.start()
     finally:

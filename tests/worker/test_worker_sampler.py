@@ -12,11 +12,11 @@ from services.worker.sampling_metadata import build_sampling_metadata
 VOCAB = 64
 
 
-def _sample(logits: torch.Tensor, params: list[SamplingParams], outputs=None, eos=(2,)):
+def _sample(logits: torch.Tensor, params: list[SamplingParams], outputs=None, prompts=None, eos=(2,)):
     generators = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in params]
     outputs = outputs or [[] for _ in params]
-    metadata = build_sampling_metadata(params, generators, [[] for _ in params], outputs, eos, VOCAB,
-                                       torch.device("cpu"))
+    prompts = prompts or [[] for _ in params]
+    metadata = build_sampling_metadata(params, generators, prompts, outputs, eos, VOCAB, torch.device("cpu"))
     return TorchSampler()(logits.clone(), metadata)
 
 
@@ -99,3 +99,18 @@ def test_min_tokens_bans_eos_and_logit_bias():
     assert _sample(logits, [SamplingParams(temperature=0.0, min_tokens=2)], outputs=[[7, 8]]).sampled_token_ids[0] == 2
     biased = SamplingParams(temperature=0.0, logit_bias={5: 20.0})
     assert _sample(logits, [biased]).sampled_token_ids[0] == 5
+
+
+def test_penalties_push_greedy_away_from_seen_tokens():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, :3] = torch.tensor([2.0, 1.9, 1.8])
+    plain = SamplingParams(temperature=0.0)
+    assert _sample(logits, [plain], outputs=[[0, 0]]).sampled_token_ids == [0]
+    frequency = SamplingParams(temperature=0.0, frequency_penalty=0.1)
+    assert _sample(logits, [frequency], outputs=[[0]]).sampled_token_ids == [0]  # 2.0 - 0.1 > 1.9 - 0
+    assert _sample(logits, [frequency], outputs=[[0, 0]]).sampled_token_ids == [1]  # 1.8 < 1.9
+    presence = SamplingParams(temperature=0.0, presence_penalty=0.15)
+    assert _sample(logits, [presence], outputs=[[0, 0, 0]]).sampled_token_ids == [1]
+    # repetition counts the prompt too: 2.0 / 1.2 and 1.9 / 1.2 fall below 1.8
+    repetition = SamplingParams(temperature=0.0, repetition_penalty=1.2)
+    assert _sample(logits, [repetition], prompts=[[0]], outputs=[[1]]).sampled_token_ids == [2]

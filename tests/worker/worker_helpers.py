@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from services.common.messages import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from services.common.messages import NewRequestData, SamplingParams, SchedulerOutput
 from services.worker.attention.torch_backend import TorchAttentionBackend
 from services.worker.config import RunnerConfig
 from services.worker.kv_cache import KVCacheLayout
@@ -30,12 +30,18 @@ def save_tiny_model(path: Path, arch: str) -> Path:
         model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False, rope_theta=10000.0))
     elif arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=False, rope_theta=1000000.0))
-        with torch.no_grad():  # random init leaves biases at zero; make them matter
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0, 0.02)
     else:
         raise ValueError(arch)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            # Default init gives near-uniform attention, which would hide position and masking bugs:
+            # sharpen it so each token attends to a few others.
+            attn.q_proj.weight.mul_(8.0)
+            attn.k_proj.weight.mul_(8.0)
+            if attn.q_proj.bias is not None:  # Qwen2: random init leaves biases at zero; make them matter
+                for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+                    proj.bias.normal_(0, 0.1)
     model.save_pretrained(str(path))
     return path
 

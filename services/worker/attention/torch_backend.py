@@ -50,7 +50,7 @@ class TorchAttentionBackend(AttentionBackend):
         if decode_reqs:
             max_seq_len = max(common.seq_lens_cpu[i] for i in decode_reqs)
             num_blocks = -(-max_seq_len // bs)
-            idx = torch.tensor(decode_reqs, dtype=torch.long)
+            idx = torch.tensor(decode_reqs, dtype=torch.long, device=common.seq_lens.device)
             decode_token_indices = common.query_start_loc[idx]
             decode_block_ids = common.block_table[idx, :num_blocks].reshape(-1)
             seq_lens = common.seq_lens[idx]
