@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import urllib.error
 import urllib.request
 
 import openai
@@ -150,3 +151,46 @@ def wait_for_idle(cluster, timeout_s: float = 10.0) -> dict:
         if (stats["num_running_reqs"] == 0 and stats["num_waiting_reqs"] == 0) or time.monotonic() > deadline:
             return stats
         time.sleep(0.1)
+
+
+def _post(cluster, path: str, body: bytes) -> tuple[int, dict]:
+    req = urllib.request.Request(cluster.base_url + path, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.load(resp)
+    except urllib.error.HTTPError as err:
+        return err.code, json.load(err)
+
+
+@pytest.mark.parametrize("body, status, param", [
+    (b"{not json", 400, None),
+    (json.dumps({"model": "SmolLM2-135M-Instruct"}).encode(), 400, "messages"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}).encode(), 400, "max_tokens"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}).encode(), 400, "max_tokens"),
+    (json.dumps({"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}).encode(), 404, "model"),
+    (json.dumps({"messages": [{"role": "user", "content": "hello " * 3000}]}).encode(), 400, "messages"),
+])
+def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(cluster, client, model, body, status, param):
+    got_status, error = _post(cluster, "/v1/chat/completions", body)
+    assert got_status == status, error
+    validate(error, "ErrorResponse")
+    assert error["error"]["param"] == param
+    ok = client.chat.completions.create(model=model.name, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+def test_grpc_generate_streams_the_same_greedy_text(cluster, client, model):
+    import grpc
+
+    from services.common.pb import engine_core_pb2, generate_pb2, generate_pb2_grpc
+
+    prompt = "The capital of France is"
+    http = client.completions.create(model=model.name, prompt=prompt, max_tokens=8, temperature=0)
+    with grpc.insecure_channel(cluster.frontend_grpc_addr) as channel:
+        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        request = generate_pb2.GenerateRequest(
+            text=prompt, sampling_params=engine_core_pb2.SamplingParams(temperature=0, max_tokens=8))
+        responses = list(stub.Generate(request, timeout=60))
+    assert "".join(r.text for r in responses) == http.choices[0].text
+    assert responses[-1].finish_reason == engine_core_pb2.FINISH_REASON_LENGTH
+    assert sum(len(r.token_ids) for r in responses) == 8
