@@ -194,3 +194,69 @@ def test_grpc_generate_streams_the_same_greedy_text(cluster, client, model):
     assert "".join(r.text for r in responses) == http.choices[0].text
     assert responses[-1].finish_reason == engine_core_pb2.FINISH_REASON_LENGTH
     assert sum(len(r.token_ids) for r in responses) == 8
+
+
+# 17 blocks of 737,280 bytes (30 layers x 3 KV heads x 64 dims x 16 slots x K,V x 4 bytes), 16 usable:
+# each prompt (about 37 tokens, its first block shared through the prefix cache) is admitted with two
+# new blocks, then the requests outgrow the cache as they decode, so some are preempted; a token
+# budget of 32 chunks every prompt's prefill.
+CONSTRAINED_ENV = {"SPINDLE_KV_CACHE_BYTES": str(17 * 737_280), "SPINDLE_MAX_MODEL_LEN": "256",
+                   "SPINDLE_MAX_NUM_BATCHED_TOKENS": "32"}
+
+
+@pytest.fixture(scope="module")
+def constrained_cluster(tmp_path_factory):
+    c = SpindleCluster(tmp_path_factory.mktemp("constrained"), env=CONSTRAINED_ENV)
+    try:
+        yield c.start()
+    finally:
+        c.stop()
+
+
+def test_greedy_parity_under_preemption_and_chunked_prefill(constrained_cluster, model, references):
+    before = wait_for_idle(constrained_cluster)
+
+    async def run():
+        aclient = openai.AsyncOpenAI(base_url=constrained_cluster.base_url + "/v1", api_key="unused",
+                                     max_retries=0, timeout=300)
+        try:
+            return await asyncio.gather(*[
+                aclient.chat.completions.create(
+                    model=model.name, messages=[{"role": "user", "content": p}], max_tokens=MAX_TOKENS,
+                    temperature=0, extra_body={"return_token_ids": True})
+                for p in PROMPTS
+            ])
+        finally:
+            await aclient.close()
+
+    for prompt, ref, resp in zip(PROMPTS, references, asyncio.run(run())):
+        assert_greedy_match(resp.choices[0].token_ids, ref, prompt)
+    after = wait_for_idle(constrained_cluster)
+    assert after["num_preemptions"] > before["num_preemptions"], "the small KV cache should force preemption"
+    assert after["num_free_blocks"] == after["num_total_blocks"]
+
+
+SYSTEM_PROMPT = ("You are a meticulous assistant for a public library. " * 30).strip()
+
+
+def test_shared_system_prompt_is_served_from_the_prefix_cache(cluster, model):
+    import time
+
+    client = openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    tokenizer = AutoTokenizer.from_pretrained(model.path)
+    shared = tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM_PROMPT}], tokenize=True)
+    shared = shared["input_ids"] if hasattr(shared, "keys") else shared
+    timings = []
+    for question in ("Where are the atlases?", "When do you open on Sundays?"):
+        start = time.perf_counter()
+        stream = client.chat.completions.create(
+            model=model.name, max_tokens=4, temperature=0, stream=True, stream_options={"include_usage": True},
+            messages=[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}])
+        ttft, usage = None, None
+        for chunk in stream:
+            if ttft is None and chunk.choices and chunk.choices[0].delta.content:
+                ttft = time.perf_counter() - start
+            usage = chunk.usage or usage
+        timings.append((ttft, usage.prompt_tokens_details.cached_tokens, usage.prompt_tokens))
+    print(f"shared prefix {len(shared)} tokens; (TTFT s, cached, prompt) cold {timings[0]}, warm {timings[1]}")
+    assert timings[1][1] >= 0.9 * len(shared)

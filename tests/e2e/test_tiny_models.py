@@ -105,3 +105,39 @@ def test_tiny_model_matches_transformers_concurrently_with_chunking_and_preempti
     after = _stats(cluster)
     assert after["num_preemptions"] > before["num_preemptions"], "the small KV cache should force preemption"
     assert after["num_free_blocks"] == after["num_total_blocks"], after
+
+
+def test_bounded_waiting_queue_refuses_overflow_with_429(tmp_path):
+    model_dir = build_tiny_model(tmp_path / "tiny", "llama")
+    limit, num_requests = 2, 6
+    cluster = SpindleCluster(tmp_path, env={"SPINDLE_MODEL": str(model_dir), "SPINDLE_MAX_NUM_SEQS": "1",
+                                            "SPINDLE_MAX_NUM_WAITING_REQUESTS": str(limit)})
+    cluster.start()
+
+    async def one(client, i):
+        try:
+            resp = await client.completions.with_raw_response.create(
+                model=model_dir.name, prompt=[5 + i] * 20, max_tokens=200, temperature=0,
+                extra_body={"ignore_eos": True})
+            return "ok", resp.parse().choices[0].finish_reason, asyncio.get_running_loop().time()
+        except openai.APIStatusError as err:
+            return err.status_code, err.response.headers.get("retry-after"), asyncio.get_running_loop().time()
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        try:
+            return await asyncio.gather(*[one(client, i) for i in range(num_requests)])
+        finally:
+            await client.close()
+
+    try:
+        results = asyncio.run(run())
+    finally:
+        cluster.stop()
+    done = [r for r in results if r[0] == "ok"]
+    refused = [r for r in results if r[0] != "ok"]
+    # One request may already run when the others arrive: then limit + 1 complete.
+    assert limit <= len(done) <= limit + 1, results
+    assert all(r[1] == "length" for r in done)
+    assert all(r[0] == 429 and r[1] is not None for r in refused), refused
+    assert max(r[2] for r in refused) < min(r[2] for r in done), "refusals must come at once, not after waiting"
