@@ -8,8 +8,11 @@ GEN_DIR := services/common/_generated
 PROTOS := $(wildcard proto/spindle/v1/*.proto)
 GEN_STAMP := $(GEN_DIR)/.stamp
 PYTEST_ARGS ?=
+IMAGE_PREFIX ?=
+IMAGE_TAG ?= 0.1.0
+DOCKER ?= docker
 
-.PHONY: install proto run test test-slow lint clean
+.PHONY: install proto run test test-slow clean images lint-docker k8s-validate
 
 install: $(STAMP) $(GEN_STAMP)
 
@@ -40,6 +43,18 @@ test: install
 
 test-slow: install
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+
+# Container images (Docker or a compatible builder; none runs on the development machines).
+images:
+	$(DOCKER) build -f docker/Dockerfile -t $(IMAGE_PREFIX)spindle:$(IMAGE_TAG) .
+	$(DOCKER) build -f docker/Dockerfile.cuda -t $(IMAGE_PREFIX)spindle-cuda:$(IMAGE_TAG) .
+
+lint-docker: install
+	$(VENV)/bin/hadolint docker/Dockerfile docker/Dockerfile.cuda
+
+# Renders every k8s/ overlay and validates it offline (kubectl kustomize + kubernetes-validate --strict).
+k8s-validate: install
+	$(PY) -m pytest -q tests/k8s
 
 clean:
 	rm -rf $(GEN_DIR) build *.egg-info

@@ -1,0 +1,129 @@
+"""Renders the kustomize overlays under k8s/ and indexes the objects for the tests in this folder.
+
+`kubectl kustomize` does the rendering (offline); without kubectl the tests skip and say why.
+"""
+from __future__ import annotations
+
+import functools
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "k8s"
+OVERLAYS = sorted(p.parent.name for p in (K8S / "overlays").glob("*/kustomization.yaml"))
+NAMESPACE = "spindle"
+CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
+# Kinds kubernetes-validate has no schema for (CRDs): test_crds.py checks these by hand.
+CRD_KINDS = {"ServiceMonitor", "InferencePool", "InferenceObjective", "HTTPRoute"}
+
+
+def require_kubectl() -> str:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl not found on PATH: the manifests cannot be rendered (`kubectl kustomize`)")
+    return kubectl
+
+
+@functools.lru_cache(maxsize=None)
+def render_text(overlay: str) -> str:
+    kubectl = require_kubectl()
+    result = subprocess.run([kubectl, "kustomize", str(K8S / "overlays" / overlay)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, f"kubectl kustomize k8s/overlays/{overlay} failed:\n{result.stderr}"
+    return result.stdout
+
+
+@dataclass(frozen=True)
+class PodTemplate:
+    """A workload's pod template, with the workload's kind and name for messages."""
+
+    owner: str
+    labels: dict[str, str]
+    spec: dict[str, Any]
+
+    @property
+    def containers(self) -> list[dict[str, Any]]:
+        return self.spec["containers"]
+
+    def container(self, name: str) -> dict[str, Any] | None:
+        return next((c for c in self.containers if c["name"] == name), None)
+
+    def declared_ports(self) -> dict[str | int, int]:
+        """Port name and number -> number, over every container."""
+        ports: dict[str | int, int] = {}
+        for container in self.containers:
+            ports.update(container_ports(container))
+        return ports
+
+
+class Rendered:
+    """The objects of one rendered overlay."""
+
+    def __init__(self, overlay: str, objects: list[dict[str, Any]]):
+        self.overlay = overlay
+        self.objects = objects
+
+    def of_kind(self, kind: str) -> list[dict[str, Any]]:
+        return [o for o in self.objects if o["kind"] == kind]
+
+    def get(self, kind: str, name: str) -> dict[str, Any] | None:
+        return next((o for o in self.of_kind(kind) if o["metadata"]["name"] == name), None)
+
+    def pod_templates(self) -> list[PodTemplate]:
+        return [PodTemplate(f"{o['kind']}/{o['metadata']['name']}", o["spec"]["template"]["metadata"].get("labels", {}),
+                            o["spec"]["template"]["spec"])
+                for o in self.objects if o["kind"] in ("Deployment", "StatefulSet", "DaemonSet", "Job")]
+
+    def selected(self, selector: dict[str, str]) -> list[PodTemplate]:
+        return [t for t in self.pod_templates() if matches(selector, t.labels)]
+
+    def spindle_containers(self) -> list[tuple[PodTemplate, dict[str, Any]]]:
+        """(pod, container) for every container that runs a Spindle service (`spindle <service>`)."""
+        return [(t, c) for t in self.pod_templates() for c in t.containers if c.get("command", [""])[0] == "spindle"]
+
+    def config_map_data(self, name: str) -> dict[str, str]:
+        config_map = self.get("ConfigMap", name)
+        assert config_map is not None, f"{self.overlay}: ConfigMap {name} not found"
+        return config_map.get("data", {})
+
+    def environment(self, container: dict[str, Any]) -> dict[str, str]:
+        """The container's variables as the kubelet sets them: envFrom first, then env (which wins)."""
+        env: dict[str, str] = {}
+        for source in container.get("envFrom", []):
+            env.update(self.config_map_data(source["configMapRef"]["name"]))
+        for var in container.get("env", []):
+            env[var["name"]] = var.get("value", f"<{var['name']} from the downward API>")
+        return env
+
+
+@functools.lru_cache(maxsize=None)
+def rendered(overlay: str) -> Rendered:
+    return Rendered(overlay, [o for o in yaml.safe_load_all(render_text(overlay)) if o])
+
+
+def matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(key) == value for key, value in selector.items())
+
+
+def container_ports(container: dict[str, Any]) -> dict[str | int, int]:
+    ports: dict[str | int, int] = {}
+    for port in container.get("ports", []):
+        ports[port["containerPort"]] = port["containerPort"]
+        if "name" in port:
+            ports[port["name"]] = port["containerPort"]
+    return ports
+
+
+def probes(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {kind: container[kind] for kind in ("startupProbe", "readinessProbe", "livenessProbe") if kind in container}
+
+
+def addr_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host, int(port)
