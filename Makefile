@@ -12,7 +12,7 @@ IMAGE_PREFIX ?=
 IMAGE_TAG ?= 0.1.0
 DOCKER ?= docker
 
-.PHONY: install proto run test test-slow clean images lint-docker k8s-validate
+.PHONY: install proto run test test-slow test-kernels-tsan gpu-check clean images lint-docker k8s-validate
 
 install: $(STAMP) $(GEN_STAMP)
 
@@ -43,6 +43,15 @@ test: install
 
 test-slow: install
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+
+# Slower kernel check: the CUDA shim with one OS thread per CUDA thread under ThreadSanitizer.
+test-kernels-tsan: install
+	$(PY) -m pytest -q -m slow tests/kernels/test_shim_tsan.py $(PYTEST_ARGS)
+
+# On a CUDA machine (torch built with CUDA, pip install -e '.[cuda]'), within 10 minutes:
+# kernel tests on the device, end-to-end greedy parity with --device cuda, kernel benchmark.
+gpu-check: install
+	PY=$(PY) bash scripts/gpu_check.sh
 
 # Container images (Docker or a compatible builder; none runs on the development machines).
 images:

@@ -149,7 +149,8 @@ class EngineCore:
             aborts, self._pending_aborts = self._pending_aborts, []
             for request in scheduler.abort_requests(aborts):
                 self._req_client.pop(request.request_id, None)
-            for request in [r for r in self._pending_adds if r.request_id in set(aborts)]:
+            aborted = set(aborts)
+            for request in [r for r in self._pending_adds if r.request_id in aborted]:
                 self._pending_adds.remove(request)
                 self._req_client.pop(request.request_id, None)
         adds, self._pending_adds = self._pending_adds, []

@@ -33,6 +33,7 @@ class WorkerConfig:
     dtype: str = "auto"  # auto, float32, bfloat16, float16
     device: str = "auto"  # auto, cpu, cuda
     kv_cache_bytes: int = 1 * GiB
+    gpu_memory_utilization: float = 0.9  # on a GPU: share of device memory for weights, activations, KV
     block_size: int = 16
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_batched_tokens: int = 2048
@@ -40,6 +41,7 @@ class WorkerConfig:
     num_threads: int | None = None  # None: torch's default
     log_level: str = "INFO"
     shutdown_timeout: float = 30.0
+    fake_model: bool = False  # no weights; each step returns a fixed token (engine-overhead benchmark)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -49,6 +51,8 @@ class WorkerConfig:
         for name in ("kv_cache_bytes", "block_size", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads <= 0:
@@ -74,11 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
              help="weights and KV cache dtype; auto = bfloat16 on a GPU or a CPU with native bf16, else float32")
     add_flag(parser, "--device", default="auto", choices=["auto", "cpu", "cuda"], help="device to run on")
     add_flag(parser, "--kv-cache-bytes", type=parse_bytes, default=1 * GiB, help="KV cache budget on a CPU")
+    add_flag(parser, "--gpu-memory-utilization", type=float, default=0.9,
+             help="on a GPU: share of device memory for weights, activations and the KV cache (sized by profiling)")
     add_flag(parser, "--block-size", type=int, default=16, help="tokens per KV cache block")
     add_flag(parser, "--max-model-len", type=int, help="longest sequence (default: the model's limit)")
     add_flag(parser, "--max-num-batched-tokens", type=int, default=2048, help="most tokens in one step")
     add_flag(parser, "--max-num-seqs", type=int, default=256, help="most requests in one step")
     add_flag(parser, "--num-threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    add_flag(parser, "--fake-model", type=bool, default=False,
+             help="load no weights; every step returns a fixed token at once (measures engine overhead)")
     add_common_flags(parser)
     return parser
 
@@ -93,6 +101,7 @@ def config_from_args(argv: list[str] | None = None) -> WorkerConfig:
         dtype=args.dtype,
         device=args.device,
         kv_cache_bytes=args.kv_cache_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         block_size=args.block_size,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -100,6 +109,7 @@ def config_from_args(argv: list[str] | None = None) -> WorkerConfig:
         num_threads=args.num_threads,
         log_level=args.log_level,
         shutdown_timeout=args.shutdown_timeout,
+        fake_model=args.fake_model,
     )
 
 
@@ -112,12 +122,14 @@ def cpu_has_native_bf16() -> bool:
 
 
 def resolve_device(name: str) -> torch.device:
-    if name == "cuda":
+    """auto: the GPU when PyTorch sees one (the CuPy kernels run there), else the CPU."""
+    has_cuda = torch.cuda.is_available()
+    if name == "cuda" and not has_cuda:
         raise ValueError(
-            "--device cuda is not implemented yet: the CUDA attention/sampling kernels are a later task; "
+            "--device cuda: no CUDA device visible to PyTorch (a CPU build of torch, or no driver); "
             "use --device cpu"
         )
-    return torch.device("cpu")
+    return torch.device("cuda") if name == "cuda" or (name == "auto" and has_cuda) else torch.device("cpu")
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

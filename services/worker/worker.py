@@ -57,12 +57,20 @@ class Worker:
         """Resolves (and if needed converts) the model, loads weights, sizes the KV cache."""
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
+        if self.config.fake_model:  # no weights: the engine-overhead benchmark's worker
+            from services.worker.fake_runner import load_fake_model
+
+            self.model_runner, self.kv_cache_spec = load_fake_model(self.config, self.dtype)
+            self.model_name = self.kv_cache_spec.model_name
+            logger.info("fake model: no weights, every step returns a fixed token at once")
+            return
         logger.info("resolving model %s", self.config.model or "(embedded default)")
         resolved = resolve_model(self.config.model, self.config.cache_dir)
         self.model_name = self.config.served_model_name or resolved.name
         logger.info("loading weights from %s (%s, %s)", resolved.path, self.device, _dtype_name(self.dtype))
         hf_config = load_config(resolved.path)
-        backend = TorchAttentionBackend()
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        backend, sampler = self._attention_and_sampler(head_dim)
         model = load_model(resolved.path, self.dtype, self.device, backend, config=hf_config)
         runner_config = RunnerConfig(
             block_size=self.config.block_size,
@@ -72,14 +80,20 @@ class Worker:
         )
         attn = model.attention_layers()
         layout = KVCacheLayout(len(attn), attn[0].num_kv_heads, attn[0].head_dim, self.config.block_size, self.dtype)
-        logger.info("sizing KV cache: %.0f MiB budget, %d bytes per block",
-                    self.config.kv_cache_bytes / 2**20, layout.bytes_per_block)
+        kv_cache_bytes = self.config.kv_cache_bytes
+        if self.device.type == "cuda":
+            from services.worker.gpu_memory import profile_kv_cache_bytes
+
+            kv_cache_bytes = profile_kv_cache_bytes(model, backend, layout, runner_config,
+                                                    self.config.gpu_memory_utilization, self.device)
+        logger.info("sizing KV cache: %.0f MiB budget, %d bytes per block", kv_cache_bytes / 2**20,
+                    layout.bytes_per_block)
         num_blocks = num_blocks_for_budget(
-            layout, self.config.kv_cache_bytes, runner_config.max_model_len, runner_config.max_num_seqs
+            layout, kv_cache_bytes, runner_config.max_model_len, runner_config.max_num_seqs
         )
         self.model_runner = ModelRunner(
             model, runner_config, self.device, backend, layout,
-            vocab_size=hf_config.vocab_size, eos_token_ids=eos_token_ids(hf_config, resolved.path),
+            vocab_size=hf_config.vocab_size, eos_token_ids=eos_token_ids(hf_config, resolved.path), sampler=sampler,
         )
         self.kv_cache_spec = KVCacheSpec(
             block_size=self.config.block_size,
@@ -91,6 +105,22 @@ class Worker:
             dtype=_dtype_name(self.dtype),
             vocab_size=hf_config.vocab_size,
         )
+
+    def _attention_and_sampler(self, head_dim: int):
+        """PyTorch on a CPU; on a GPU the CUDA kernels (PyTorch attention for head sizes the
+        kernels lack). None keeps the runner's default sampler."""
+        if self.device.type != "cuda":
+            return TorchAttentionBackend(), None
+        from services.worker.attention.cupy_backend import CupyAttentionBackend
+        from services.worker.cuda_sampler import CudaSampler
+        from services.worker.kernels.loader import CupyLauncher
+
+        launcher = CupyLauncher()
+        if not CupyAttentionBackend.supports(head_dim):
+            logger.warning("head_dim %d has no CUDA attention kernel: PyTorch attention on the GPU", head_dim)
+            return TorchAttentionBackend(), CudaSampler(launcher)
+        num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        return CupyAttentionBackend(launcher, num_sms), CudaSampler(launcher)
 
     def describe_kv_cache(self) -> KVCacheSpec:
         if self.kv_cache_spec is None:

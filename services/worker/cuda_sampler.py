@@ -1,0 +1,116 @@
+"""The GPU sampler: the same steps as `TorchSampler` (sampler.py), run by the sampling kernels.
+
+1. logits to float32; raw logprobs (PyTorch, before processing) only if some row asks;
+2. logit bias, penalties and min_tokens bans: one sparse kernel over the touched (row, token)
+   entries, merged on the host (they come from host lists anyway);
+3. one kernel, one CTA per row: greedy argmax, or temperature + min-p + top-k + top-p and a draw
+   by the exponential race with Philox noise. A seeded request's noise is keyed by its seed and a
+   per-request counter that advances every step, so it draws the same tokens wherever it sits in
+   the batch; unseeded rows get fresh 64-bit keys from torch's default generator.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from services.worker.kernels import sampling_ops
+from services.worker.kernels.launch import Launcher
+from services.worker.sampler import Sampler, SamplerOutput, gather_logprobs
+from services.worker.sampling_metadata import SamplingMetadata
+
+
+class CudaSampler(Sampler):
+    def __init__(self, launcher: Launcher):
+        self.launcher = launcher
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        num_rows, vocab_size = logits.shape
+        device = logits.device
+        logits = logits.float()
+        raw_logprobs = None
+        if metadata.max_num_logprobs is not None:
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        entries = _sparse_entries(metadata, num_rows)
+        if len(entries):  # in place, as TorchSampler's processors are
+            presence, frequency, repetition = _penalty_columns(metadata, num_rows, device)
+            self._launch(sampling_ops.apply_sparse_logits(logits, entries.to(device), presence, frequency, repetition))
+        params = _row_params(metadata, num_rows, vocab_size, device)
+        out = torch.empty(num_rows, dtype=torch.int64, device=device)
+        self._launch(sampling_ops.sample_rows(out, logits, *params))
+        token_ids = out.tolist()
+        logprobs = [None] * num_rows
+        if raw_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, out, metadata.num_logprobs)
+        return SamplerOutput(token_ids, logprobs)
+
+    def _launch(self, launch) -> None:
+        if launch is not None:
+            self.launcher(launch)
+
+
+def _sparse_entries(m: SamplingMetadata, num_rows: int) -> sampling_ops.SparseLogitEntries:
+    bias = banned = None
+    if m.logit_bias is not None:
+        bias = [{} for _ in range(num_rows)]
+        for row, token, value in zip(*(t.tolist() for t in m.logit_bias)):
+            bias[row][token] = bias[row].get(token, 0.0) + value
+    if m.banned is not None:
+        banned = [[] for _ in range(num_rows)]
+        for row, token in zip(*(t.tolist() for t in m.banned)):
+            banned[row].append(token)
+    p = m.penalties
+    return sampling_ops.merge_entries(
+        num_rows, bias, banned,
+        p.prompt_token_ids if p is not None else None,
+        p.output_token_ids if p is not None else None,
+    )
+
+
+def _penalty_columns(m: SamplingMetadata, num_rows: int, device) -> tuple[torch.Tensor, ...]:
+    if m.penalties is None:  # bias or bans only: neutral factors
+        zeros = torch.zeros(num_rows, dtype=torch.float32, device=device)
+        return zeros, zeros, torch.ones(num_rows, dtype=torch.float32, device=device)
+    p = m.penalties
+    return tuple(t.reshape(-1).float().contiguous() for t in (p.presence, p.frequency, p.repetition))
+
+
+def _row_params(m: SamplingMetadata, num_rows: int, vocab_size: int, device) -> tuple[torch.Tensor, ...]:
+    """temperature (0 on greedy rows), top_k, top_p, min_p, seeds, offsets for sample_rows."""
+    if m.all_greedy:
+        temperature = torch.zeros(num_rows, dtype=torch.float32, device=device)
+    else:
+        temperature = m.temperature.reshape(-1).float()
+        if m.is_greedy is not None:
+            temperature = temperature.masked_fill(m.is_greedy, 0.0)
+    temperature = temperature.contiguous()
+    top_k = (m.top_k.clamp(max=vocab_size).int() if m.top_k is not None
+             else torch.zeros(num_rows, dtype=torch.int32, device=device))
+    top_p = m.top_p.float() if m.top_p is not None else torch.ones(num_rows, dtype=torch.float32, device=device)
+    min_p = m.min_p.float() if m.min_p is not None else torch.zeros(num_rows, dtype=torch.float32, device=device)
+    keys = torch.randint(-(2**63), 2**63 - 1, (num_rows, 2), dtype=torch.int64).numpy()  # unseeded rows
+    for row, generator in m.generators.items():
+        keys[row] = philox_key(generator)
+    keys = torch.from_numpy(keys).to(device)
+    return (temperature, top_k.contiguous(), top_p.contiguous(), min_p.contiguous(),
+            keys[:, 0].contiguous(), keys[:, 1].contiguous())
+
+
+def philox_key(generator: torch.Generator) -> tuple[int, int]:
+    """(seed, offset) for one step of a seeded request, advancing its generator.
+
+    A CUDA generator is Philox already: its seed and offset are read and the offset moved on, all
+    on the host. A CPU generator (the shim tests) gives one 63-bit draw as the step's seed.
+    """
+    if generator.device.type == "cuda":
+        try:
+            offset = generator.get_offset()
+            generator.set_offset(offset + 4)
+            return _signed(generator.initial_seed()), offset
+        except (AttributeError, RuntimeError):  # a torch without Philox offsets: one draw (a sync)
+            pass
+    return int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device)), 0
+
+
+def _signed(x: int) -> int:
+    """A 64-bit value as the int64 that carries its bits."""
+    return int(np.array(x & (2**64 - 1), dtype=np.uint64).view(np.int64))

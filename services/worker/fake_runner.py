@@ -1,0 +1,119 @@
+"""A model runner without a model, for measuring the engine's own cost (`--fake-model`).
+
+It keeps the same per-request bookkeeping as `ModelRunner` (the scheduler's diffs are applied in
+full, so protocol mistakes still raise), but its "forward" is free: every request whose computed
+tokens reach the end of its known tokens this step (computed + scheduled == known, the rule the real
+runner samples by) gets `FAKE_TOKEN_ID` at once. Nothing is allocated: the KV cache is only
+reported, sized for the embedded SmolLM2-135M-Instruct's geometry so the scheduler sees the block
+count a real worker with the same `--kv-cache-bytes` would report (a large budget costs no memory).
+
+What remains per step is exactly the service split's overhead: scheduling, protobuf encoding and
+decoding, and the gRPC round trips between frontend, scheduler and worker.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from services.common.messages import KVCacheSpec, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from services.common.model_files import DEFAULT_MODEL_NAME
+from services.worker.config import WorkerConfig
+from services.worker.kv_cache import KVCacheLayout, num_blocks_for_budget
+
+# SmolLM2-135M-Instruct's shape: the frontend serves its tokenizer, so ids must fit its vocabulary.
+FAKE_VOCAB_SIZE = 49152
+FAKE_NUM_LAYERS = 30
+FAKE_NUM_KV_HEADS = 3
+FAKE_HEAD_DIM = 64
+FAKE_MAX_MODEL_LEN = 8192  # the model's max_position_embeddings; --max-model-len overrides it
+FAKE_TOKEN_ID = 260  # " the": never an EOS id, so requests end by max_tokens
+
+
+@dataclass
+class _FakeRequestState:
+    num_tokens: int  # prompt + sampled tokens the worker knows
+    num_computed_tokens: int
+    wants_logprobs: bool
+
+
+class FakeModelRunner:
+    """The `ModelRunner` interface (initialize_kv_cache, reset, execute_model) with no model."""
+
+    def __init__(self, kv_cache_layout: KVCacheLayout, token_id: int = FAKE_TOKEN_ID):
+        self.kv_cache_layout = kv_cache_layout
+        self.token_id = token_id
+        self.requests: dict[str, _FakeRequestState] = {}
+
+    def initialize_kv_cache(self, num_blocks: int) -> int:
+        """Drops all request state; allocates nothing and returns the bytes a real cache would take."""
+        self.reset()
+        return num_blocks * self.kv_cache_layout.bytes_per_block
+
+    def reset(self) -> None:
+        self.requests.clear()
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        start = time.perf_counter_ns()
+        self._update_states(so)
+        req_ids: list[str] = []
+        sampled: list[list[int]] = []
+        logprobs: list[TokenLogprobs | None] = []
+        for req_id, num_scheduled in so.num_scheduled_tokens.items():
+            if num_scheduled <= 0:
+                continue
+            state = self.requests.get(req_id)
+            if state is None:
+                raise ValueError(f"request {req_id!r} scheduled but unknown to this worker")
+            state.num_computed_tokens += num_scheduled
+            if state.num_computed_tokens > state.num_tokens:
+                raise ValueError(
+                    f"request {req_id!r}: {state.num_computed_tokens} computed tokens exceed the "
+                    f"{state.num_tokens} tokens the worker knows"
+                )
+            req_ids.append(req_id)
+            if state.num_computed_tokens == state.num_tokens:
+                state.num_tokens += 1
+                sampled.append([self.token_id])
+                logprobs.append(TokenLogprobs(logprob=0.0, rank=1) if state.wants_logprobs else None)
+            else:  # a partial prefill chunk samples nothing
+                sampled.append([])
+                logprobs.append(None)
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs,
+                                 prepare_ns=time.perf_counter_ns() - start, step_id=so.step_id)
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        # Preempted requests keep their state: they come back as resumed cached requests.
+        for new in so.scheduled_new_reqs:
+            self.requests[new.req_id] = _FakeRequestState(
+                len(new.prompt_token_ids), new.num_computed_tokens, new.sampling_params.logprobs is not None)
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests.get(req_id)
+            if state is None:
+                raise ValueError(f"scheduler sent cached request {req_id!r} that this worker does not hold")
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            tokens = cached.resumed_token_ids[i] if i < len(cached.resumed_token_ids) else []
+            if tokens:  # resumed after preemption: the resent tokens are the truth
+                state.num_tokens = len(tokens)
+
+
+def load_fake_model(config: WorkerConfig, dtype: torch.dtype) -> tuple[FakeModelRunner, KVCacheSpec]:
+    """The runner and the KV cache spec a worker reports in `--fake-model` mode."""
+    layout = KVCacheLayout(FAKE_NUM_LAYERS, FAKE_NUM_KV_HEADS, FAKE_HEAD_DIM, config.block_size, dtype)
+    max_model_len = config.max_model_len or FAKE_MAX_MODEL_LEN
+    num_blocks = num_blocks_for_budget(layout, config.kv_cache_bytes, max_model_len, config.max_num_seqs)
+    spec = KVCacheSpec(
+        block_size=config.block_size,
+        num_blocks=num_blocks,
+        block_bytes=layout.bytes_per_block,
+        max_model_len=max_model_len,
+        model_name=config.served_model_name or DEFAULT_MODEL_NAME,
+        device="cpu",
+        dtype=str(dtype).removeprefix("torch."),
+        vocab_size=FAKE_VOCAB_SIZE,
+    )
+    return FakeModelRunner(layout), spec

@@ -1,0 +1,11 @@
+"""CUDA C kernels for the GPU path, shipped as package data and compiled by NVRTC on first use.
+
+- `common.cuh`: 16-bit float storage and conversions, vector loads, reductions, Philox;
+- `cache.cu` / `cache_ops.py`: reshape_and_cache;
+- `attention.cu` / `attention_ops.py`: paged attention (mixed batch, GQA, split-K + combine);
+- `sampling.cu` / `sampling_ops.py`: sparse logits processors and the per-row sampler;
+- `loader.py`: the module list, template instances and the cached CuPy loader / launcher;
+- `launch.py`: the launch description shared by CuPy and the CPU test shim;
+- `nvrtc.py`: compile check and resource report without a GPU.
+Importing any of these compiles nothing and does not import CuPy.
+"""

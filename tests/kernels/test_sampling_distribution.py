@@ -1,0 +1,70 @@
+"""Chi-square tests: over many seeded draws on a small vocabulary, the kernel's token frequencies
+follow the probabilities the PyTorch sampler's functions assign, for temperature, top-k, top-p
+and min-p; and a biased kernel is told apart (the test has power)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.worker.kernels import sampling_ops
+from services.worker.sampler import apply_min_p, apply_top_k_top_p
+
+NUM_DRAWS = 3000
+VOCAB = 12
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """P(chi2 >= observed) with the support's size - 1 degrees of freedom (support: probs > 0)."""
+    support = probs > 0
+    assert counts[~support].sum() == 0, "drew a token the reference gives probability 0"
+    expected = probs[support].double() * counts.sum()
+    observed = counts[support].double()
+    stat = ((observed - expected) ** 2 / expected).sum()
+    dof = int(support.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
+
+
+def reference_probs(logits, temperature, top_k=None, top_p=None, min_p=None) -> torch.Tensor:
+    x = logits[None] / temperature
+    if min_p is not None:
+        x = apply_min_p(x, torch.tensor([min_p]))
+    if top_k is not None or top_p is not None:
+        x = apply_top_k_top_p(x, None if top_k is None else torch.tensor([top_k]),
+                              None if top_p is None else torch.tensor([top_p]))
+    return torch.softmax(x, dim=-1)[0]
+
+
+def kernel_counts(shim, logits, temperature, top_k=0, top_p=1.0, min_p=0.0, seed_base=0) -> torch.Tensor:
+    n = NUM_DRAWS
+    out = torch.empty(n, dtype=torch.int64)
+    shim(sampling_ops.sample_rows(
+        out, logits.expand(n, -1).contiguous(), torch.full((n,), float(temperature)),
+        torch.full((n,), top_k, dtype=torch.int32), torch.full((n,), float(top_p)), torch.full((n,), float(min_p)),
+        torch.arange(seed_base, seed_base + n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64)))
+    return torch.bincount(out, minlength=logits.shape[0])
+
+
+LOGITS = torch.tensor([2.0, 1.5, 1.2, 1.0, 0.6, 0.3, 0.0, -0.4, -0.8, -1.5, -2.5, -4.0])
+CASES = {
+    "temperature": dict(temperature=0.7),
+    "hot": dict(temperature=2.0),
+    "top_k": dict(temperature=1.0, top_k=4),
+    "top_p": dict(temperature=1.0, top_p=0.8),
+    "min_p": dict(temperature=1.0, min_p=0.15),
+    "combined": dict(temperature=1.3, top_k=6, top_p=0.9, min_p=0.05),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_frequencies_follow_the_reference_probabilities(shim, case):
+    knobs = CASES[case]
+    probs = reference_probs(LOGITS, knobs["temperature"], knobs.get("top_k"), knobs.get("top_p"), knobs.get("min_p"))
+    counts = kernel_counts(shim, LOGITS, **knobs)
+    p_value = chi_square_p_value(counts, probs)
+    assert p_value > 1e-3, f"{case}: p = {p_value:.2e}, counts {counts.tolist()} vs {(probs * NUM_DRAWS).tolist()}"
+
+
+def test_the_chi_square_test_rejects_the_wrong_distribution(shim):
+    """Power check: draws at temperature 0.7 are rejected against temperature 1.0's probabilities."""
+    counts = kernel_counts(shim, LOGITS, temperature=0.7, seed_base=10**6)
+    assert chi_square_p_value(counts, reference_probs(LOGITS, 1.0)) < 1e-6
