@@ -8,11 +8,12 @@ GEN_DIR := services/common/_generated
 PROTOS := $(wildcard proto/spindle/v1/*.proto)
 GEN_STAMP := $(GEN_DIR)/.stamp
 PYTEST_ARGS ?=
+PHOENIX_VENV ?= .venv-phoenix
 IMAGE_PREFIX ?=
 IMAGE_TAG ?= 0.1.0
 DOCKER ?= docker
 
-.PHONY: install proto run test test-slow test-kernels-tsan gpu-check clean images lint-docker k8s-validate
+.PHONY: install proto run test test-slow test-kernels-tsan gpu-check traces test-prometheus clean images lint-docker k8s-validate
 
 install: $(STAMP) $(GEN_STAMP)
 
@@ -52,6 +53,22 @@ test-kernels-tsan: install
 # kernel tests on the device, end-to-end greedy parity with --device cuda, kernel benchmark.
 gpu-check: install
 	PY=$(PY) bash scripts/gpu_check.sh
+
+# A local trace UI for `make run`: Arize Phoenix in its own venv (OTLP/gRPC on 4317, UI on http://127.0.0.1:6006).
+# Then: OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4317 make run
+$(PHOENIX_VENV)/.installed:
+	test -x $(PHOENIX_VENV)/bin/python || $(PYTHON) -m venv $(PHOENIX_VENV)
+	$(PHOENIX_VENV)/bin/pip install -q arize-phoenix==20.26.1
+	touch $@
+
+traces: $(PHOENIX_VENV)/.installed
+	PHOENIX_HOST=127.0.0.1 PHOENIX_PORT=6006 PHOENIX_GRPC_PORT=4317 PHOENIX_WORKING_DIR=$(CURDIR)/$(PHOENIX_VENV)/data \
+		PHOENIX_TELEMETRY_ENABLED=false PHOENIX_DISABLE_AGENT_ASSISTANT=true $(PHOENIX_VENV)/bin/phoenix serve
+
+# A real Prometheus (Debian's 2.42) scrapes the three services (slow; the test skips without the binary).
+test-prometheus: install
+	command -v prometheus >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus)
+	$(PY) -m pytest -q -m slow tests/observability $(PYTEST_ARGS)
 
 # Container images (Docker or a compatible builder; none runs on the development machines).
 images:

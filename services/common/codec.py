@@ -188,6 +188,7 @@ def scheduler_output_to_pb(s: m.SchedulerOutput) -> w_pb.SchedulerOutput:
                 sampling_params=sampling_params_to_pb(r.sampling_params),
                 block_ids=r.block_ids,
                 num_computed_tokens=r.num_computed_tokens,
+                traceparent=r.traceparent,
             )
             for r in s.scheduled_new_reqs
         ],
@@ -216,6 +217,7 @@ def scheduler_output_from_pb(msg: w_pb.SchedulerOutput) -> m.SchedulerOutput:
                 sampling_params=sampling_params_from_pb(r.sampling_params),
                 block_ids=list(r.block_ids),
                 num_computed_tokens=r.num_computed_tokens,
+                traceparent=r.traceparent,
             )
             for r in msg.scheduled_new_reqs
         ],

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -40,9 +40,10 @@ SERVER_OPTIONS = [
 class GrpcServer:
     """A grpc.aio server with health checking and reflection for the given service names."""
 
-    def __init__(self, address: str, service_names: list[str]):
+    def __init__(self, address: str, service_names: list[str], interceptors: Sequence[Any] = ()):
         self.address = address
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        # `interceptors`: the tracing interceptor when tracing is on (services/common/telemetry.py).
+        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
         self._service_names = list(service_names)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)

@@ -140,6 +140,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    traceparent: str = ""  # the request's scheduler span, so the worker's span can be its child
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""The aiohttp application: OpenAI routes, /health, /version, and JSON errors for everything else."""
+"""The aiohttp application: OpenAI routes, /tokenize, /detokenize, /health, /version, /stats, and JSON
+errors for everything else."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,6 +13,7 @@ from services.frontend.errors import error_middleware, model_not_found, service_
 from services.frontend.serving_chat import OpenAIServingChat
 from services.frontend.serving_completion import OpenAIServingCompletion
 from services.frontend.serving_engine import OpenAIServing, ServerState, ServingModel
+from services.frontend.serving_tokenization import OpenAIServingTokenization
 
 # Long prompts arrive as JSON; aiohttp's default limit of 1 MiB is too small for a long context.
 MAX_REQUEST_BYTES = 32 * 1024 * 1024
@@ -19,6 +21,7 @@ MAX_REQUEST_BYTES = 32 * 1024 * 1024
 SERVING_KEY = web.AppKey("serving", OpenAIServing)
 CHAT_KEY = web.AppKey("serving_chat", OpenAIServingChat)
 COMPLETION_KEY = web.AppKey("serving_completion", OpenAIServingCompletion)
+TOKENIZATION_KEY = web.AppKey("serving_tokenization", OpenAIServingTokenization)
 CREATED_KEY = web.AppKey("created", int)
 
 
@@ -36,6 +39,7 @@ def create_app(engine_client: Any, model: ServingModel, state: ServerState | Non
     app[SERVING_KEY] = OpenAIServing(engine_client, model, state)
     app[CHAT_KEY] = OpenAIServingChat(engine_client, model, state)
     app[COMPLETION_KEY] = OpenAIServingCompletion(engine_client, model, state)
+    app[TOKENIZATION_KEY] = OpenAIServingTokenization(engine_client, model, state)
     app[CREATED_KEY] = int(time.time())
     app.router.add_get("/health", health)
     app.router.add_get("/version", version)
@@ -44,6 +48,8 @@ def create_app(engine_client: Any, model: ServingModel, state: ServerState | Non
     app.router.add_get("/v1/models/{model:.+}", retrieve_model)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
     app.router.add_post("/v1/completions", create_completion)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     return app
 
 
@@ -100,3 +106,11 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
     return await request.app[COMPLETION_KEY].create_completion(request)
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    return await request.app[TOKENIZATION_KEY].create_tokenize(request)
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    return await request.app[TOKENIZATION_KEY].create_detokenize(request)

@@ -5,6 +5,7 @@ import argparse
 from dataclasses import dataclass
 
 from services.common.flags import add_common_flags, add_flag
+from services.common.telemetry import TelemetryConfig, add_telemetry_flags, telemetry_config_from_args
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,8 @@ class FrontendConfig:
     max_model_len: int | None = None
     shutdown_timeout_s: float = 30.0
     log_level: str = "INFO"
+    # The OTLP traces endpoint; metrics are served on the HTTP port (/metrics), so no metrics port.
+    telemetry: TelemetryConfig = TelemetryConfig()
 
     def __post_init__(self) -> None:
         if not 0 <= self.http_port <= 65535:
@@ -51,6 +54,7 @@ class FrontendConfig:
             max_model_len=ns.max_model_len or None,
             shutdown_timeout_s=ns.shutdown_timeout,
             log_level=ns.log_level,
+            telemetry=telemetry_config_from_args(ns),
         )
 
     @classmethod
@@ -71,3 +75,4 @@ def add_frontend_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--served-model-name", default=None, help="model name clients send (default: the model's)")
     add_flag(parser, "--cache-dir", default=None, help="cache folder for converted models")
     add_flag(parser, "--max-model-len", type=int, default=None, help="lower the engine's context length")
+    add_telemetry_flags(parser)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 import grpc
 
@@ -31,12 +31,16 @@ MAX_RECONNECT_BACKOFF_S = 5.0
 
 
 class EngineClient:
-    def __init__(self, scheduler_addr: str):
+    def __init__(self, scheduler_addr: str, interceptors: Sequence[Any] = ()):
         self.scheduler_addr = scheduler_addr
         self.info: EngineInfo | None = None
         self.last_stats = SchedulerStats()
+        # Observability hook: sees every step's outputs (services/frontend/observability.py); set by the server.
+        self.observer: Any = None
         self._is_worker_alive = False
-        self._channel = grpc.aio.insecure_channel(scheduler_addr, options=CHANNEL_OPTIONS)
+        # `interceptors`: the tracing interceptors when tracing is on (services/common/telemetry.py).
+        self._channel = grpc.aio.insecure_channel(scheduler_addr, options=CHANNEL_OPTIONS,
+                                                  interceptors=list(interceptors) or None)
         self._stub = engine_core_pb2_grpc.EngineCoreServiceStub(self._channel)
         self._call = None
         self._queues: dict[str, asyncio.Queue[EngineCoreOutput]] = {}
@@ -141,6 +145,8 @@ class EngineClient:
     def _dispatch(self, outputs) -> None:
         if outputs.scheduler_stats is not None:
             self.last_stats = outputs.scheduler_stats
+        if self.observer is not None:
+            self.observer.on_step(outputs)
         for output in outputs.outputs:
             queue = self._queues.get(output.request_id)
             if queue is not None:

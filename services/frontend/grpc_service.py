@@ -1,21 +1,26 @@
 """GenerateService: the frontend's gRPC face, with the same validation as the HTTP API.
 
-One server-streaming call per request; each response holds the text and token ids new since the
-previous one, the last one its finish reason. Errors map to status codes: INVALID_ARGUMENT (bad
-input), NOT_FOUND (unknown model), RESOURCE_EXHAUSTED (engine queue full), UNAVAILABLE (engine not
-ready, draining, engine down), INTERNAL. A client that cancels the call aborts the request.
+`Generate` is one server-streaming call per request; each response holds the text and token ids
+of one choice new since its previous response, the last one of a choice its finish reason. `n` > 1
+interleaves the choices (told apart by `index`). Errors map to status codes: INVALID_ARGUMENT (bad
+input), NOT_FOUND (unknown model, unknown request id for Abort), RESOURCE_EXHAUSTED (engine queue
+full), UNAVAILABLE (engine not ready, draining, engine down), CANCELLED (ended by Abort), INTERNAL.
+A client that cancels the call aborts its requests in the engine, as Abort does.
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
+import functools
 import logging
 import uuid
 from contextlib import aclosing
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import grpc
 
-from services.common.codec import sampling_params_from_pb
+from services.common.codec import sampling_params_from_pb, token_logprobs_to_pb
 from services.common.messages import FinishReason
 from services.common.pb import engine_core_pb2, generate_pb2, generate_pb2_grpc
 from services.frontend.errors import APIError, EngineError, from_engine_error, invalid_request
@@ -36,13 +41,33 @@ _STATUS_CODES = {
 _FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
 
 
+class RequestAborted(Exception):
+    """An Abort call ended the request."""
+
+
 def status_code(err: APIError) -> grpc.StatusCode:
     return _STATUS_CODES.get(err.status, grpc.StatusCode.INTERNAL)
+
+
+def _as_status(unary):
+    """Runs a unary handler, turning the frontend's errors into status codes."""
+    @functools.wraps(unary)
+    async def handler(self, request, context):
+        try:
+            return await unary(self, request, context)
+        except APIError as err:
+            await context.abort(status_code(err), _describe(err))
+        except EngineError as exc:
+            err = from_engine_error(exc)
+            await context.abort(status_code(err), _describe(err))
+    return handler
 
 
 class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     def __init__(self, serving: OpenAIServing):
         self.serving = serving
+        # request_id -> set when Abort names it
+        self._running: dict[str, asyncio.Event] = {}
 
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -55,6 +80,39 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         except EngineError as exc:
             err = from_engine_error(exc)
             await context.abort(status_code(err), _describe(err))
+        except RequestAborted:
+            await context.abort(grpc.StatusCode.CANCELLED, "aborted by an Abort call")
+
+    @_as_status
+    async def Tokenize(self, request: generate_pb2.TokenizeRequest, context: Any) -> generate_pb2.TokenizeResponse:
+        serving = self.serving
+        serving.check_model(request.model or None)
+        serving.check_ready()  # max_model_len comes from the engine
+        add_special_tokens = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        token_ids = list(serving.model.tokenizer.encode(request.text, add_special_tokens=add_special_tokens))
+        return generate_pb2.TokenizeResponse(
+            token_ids=token_ids, tokens=serving.model.tokenizer.convert_ids_to_tokens(token_ids),
+            max_model_len=serving.max_model_len)
+
+    @_as_status
+    async def GetModelInfo(self, request: generate_pb2.GetModelInfoRequest, context: Any
+                           ) -> generate_pb2.GetModelInfoResponse:
+        serving = self.serving
+        serving.check_ready()
+        info = serving.engine_client.info
+        return generate_pb2.GetModelInfoResponse(
+            model_name=serving.model.name, max_model_len=serving.max_model_len, vocab_size=info.vocab_size,
+            eos_token_ids=list(serving.model.eos_token_ids), block_size=info.block_size, device=info.device,
+            dtype=info.dtype)
+
+    @_as_status
+    async def Abort(self, request: generate_pb2.AbortRequest, context: Any) -> generate_pb2.AbortResponse:
+        event = self._running.get(request.request_id)
+        if event is None:
+            raise APIError(404, f"No running request with id {request.request_id!r}.", "invalid_request_error",
+                           param="request_id")
+        event.set()
+        return generate_pb2.AbortResponse()
 
     async def _generate(self, request: generate_pb2.GenerateRequest) -> AsyncIterator[generate_pb2.GenerateResponse]:
         serving = self.serving
@@ -71,21 +129,60 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         else:
             raise invalid_request("Set 'text' or 'token_ids'.", param="input")
         response_id = request.request_id or f"gen-{uuid.uuid4().hex}"
-        # The engine's id is always ours: ids chosen by clients could collide between clients.
-        engine_request = serving.make_engine_request(f"gen-{uuid.uuid4().hex}", prompt_token_ids, options, "input")
-        detokenizer = serving.make_detokenizer(prompt_token_ids, options)
-        with serving.state.track():
-            async with aclosing(serving.generate(engine_request, detokenizer)) as deltas:
-                async for delta in deltas:
-                    yield generate_pb2.GenerateResponse(
-                        request_id=response_id,
-                        text=delta.text,
-                        token_ids=delta.token_ids,
-                        finish_reason=int(_FINISH_REASONS.get(delta.finish_reason, FinishReason.NONE)),
-                        num_prompt_tokens=len(prompt_token_ids),
-                        num_completion_tokens=len(detokenizer.output_token_ids),
-                        num_cached_tokens=delta.num_cached_tokens,
-                    )
+        if response_id in self._running:
+            raise invalid_request(f"A request with id {response_id!r} is already running.", param="request_id")
+        # The engine's ids are always ours: ids chosen by clients could collide between clients.
+        choices = serving.make_choices(f"gen-{uuid.uuid4().hex}", prompt_token_ids, options, "input")
+        aborted = self._running[response_id] = asyncio.Event()
+        try:
+            with serving.state.track():
+                async with aclosing(serving.generate_choices(choices)) as deltas, \
+                        aclosing(_until_set(deltas, aborted)) as until_aborted:
+                    async for index, delta in until_aborted:
+                        yield generate_pb2.GenerateResponse(
+                            request_id=response_id,
+                            text=delta.text,
+                            token_ids=delta.token_ids,
+                            finish_reason=int(_FINISH_REASONS.get(delta.finish_reason, FinishReason.NONE)),
+                            num_prompt_tokens=len(prompt_token_ids),
+                            num_completion_tokens=choices[index].num_output_tokens,
+                            num_cached_tokens=delta.num_cached_tokens,
+                            index=index,
+                            logprobs=[token_logprobs_to_pb(lp) for lp in delta.logprobs],
+                        )
+        finally:
+            self._running.pop(response_id, None)
+
+
+async def _until_set(stream: AsyncIterator[Any], event: asyncio.Event) -> AsyncIterator[Any]:
+    """Yields from `stream` until it ends, or raises RequestAborted once `event` is set.
+
+    The pending read is cancelled on the way out, which closes `stream` (aborting its requests).
+    """
+    waiter = asyncio.ensure_future(event.wait())
+    pending: asyncio.Future | None = None
+
+    async def next_item() -> Any:
+        return await anext(stream)
+
+    try:
+        while True:
+            pending = asyncio.ensure_future(next_item())
+            await asyncio.wait({pending, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            if not pending.done():
+                raise RequestAborted
+            try:
+                item = pending.result()
+            except StopAsyncIteration:
+                return
+            pending = None
+            yield item
+    finally:
+        waiter.cancel()
+        if pending is not None and not pending.done():
+            pending.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await pending
 
 
 def _options(request: generate_pb2.GenerateRequest) -> GenerationOptions:
@@ -106,6 +203,7 @@ def _options(request: generate_pb2.GenerateRequest) -> GenerationOptions:
         max_tokens=params.max_tokens or None,
         max_tokens_param="max_tokens",
         stop=stop,
+        include_stop_str_in_output=request.include_stop_str_in_output,
         priority=request.priority,
     )
 

@@ -1,10 +1,11 @@
 """Validates OpenAI request bodies (chat and completions) into typed requests.
 
 Every refusal is a 400 `invalid_request_error` whose `param` names the offending field. Fields that
-would change the result but are not implemented (tools, logprobs, n > 1, ...) are refused rather
-than silently ignored; fields that only annotate a request (`user`, `metadata`, `store`, ...) and
-unknown fields are accepted. vLLM's extra sampling fields (`top_k`, `min_p`, `repetition_penalty`,
-`min_tokens`, `stop_token_ids`, `ignore_eos`, `priority`, ...) are accepted at the top level.
+would change the result but are not implemented (tools, structured output, ...; see unsupported.py)
+are refused rather than silently ignored; fields that only annotate a request (`user`, `metadata`,
+`store`, ...) and unknown fields are accepted. vLLM's extra sampling fields (`top_k`, `min_p`,
+`repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`, `priority`, ...) are accepted at
+the top level.
 """
 from __future__ import annotations
 
@@ -15,9 +16,12 @@ from typing import Any
 
 from services.common.messages import SamplingParams
 from services.frontend.errors import invalid_request
+from services.frontend.unsupported import refuse_unsupported_chat_fields, refuse_unsupported_completion_fields
 
 CHAT_ROLES = {"system", "developer", "user", "assistant"}
 MAX_SEED = 2**63 - 1
+MAX_N = 128  # OpenAI's limit on choices per request
+MAX_LOGPROBS = 20  # alternatives per token: OpenAI's chat limit (completions: 5, vLLM allows 20)
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,12 @@ class GenerationOptions:
     priority: int = 0
     # vLLM's extension: add the prompt and output token ids to a non-streamed response.
     return_token_ids: bool = False
+    # Completions only: the prompt text comes first in each choice's text.
+    echo: bool = False
+
+    @property
+    def n(self) -> int:
+        return self.sampling_params.n
 
 
 @dataclass(frozen=True)
@@ -65,18 +75,18 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
 
 
 def parse_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
-    _refuse_chat_features(body)
+    refuse_unsupported_chat_fields(body)
     return ChatCompletionRequest(messages=_parse_messages(body.get("messages")), options=_parse_options(body, True))
 
 
 def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
-    _refuse_completion_features(body)
+    refuse_unsupported_completion_fields(body)
     return CompletionRequest(prompt=_parse_prompt(body.get("prompt")), options=_parse_options(body, False))
 
 
 def check_sampling_params(p: SamplingParams) -> None:
     """Range checks shared by the HTTP and gRPC faces (max_tokens is checked against the prompt later)."""
-    _check(p.n == 1, "n", "Only n=1 is supported.")
+    _check(1 <= p.n <= MAX_N, "n", f"n must be in [1, {MAX_N}].")
     _check(0.0 <= p.temperature <= 2.0, "temperature", "temperature must be in [0, 2].")
     _check(0.0 < p.top_p <= 1.0, "top_p", "top_p must be in (0, 1].")
     _check(p.top_k >= 0, "top_k", "top_k must be >= 0 (0 or -1 disables it).")
@@ -88,31 +98,9 @@ def check_sampling_params(p: SamplingParams) -> None:
     _check(p.seed is None or -MAX_SEED - 1 <= p.seed <= MAX_SEED, "seed", "seed must fit in 64 bits.")
     for token_id, bias in p.logit_bias.items():
         _check(-100.0 <= bias <= 100.0, "logit_bias", f"logit_bias[{token_id}] must be in [-100, 100].")
-    _check(p.logprobs is None, "logprobs", "logprobs are not supported yet.")
+    _check(p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS, "logprobs",
+           f"logprobs must be in [0, {MAX_LOGPROBS}].")
     _check(p.prompt_logprobs is None, "prompt_logprobs", "prompt_logprobs are not supported yet.")
-
-
-# --- refusals of unsupported features ------------------------------------------------------------
-def _refuse_chat_features(body: dict[str, Any]) -> None:
-    for name in ("tools", "functions", "audio", "prediction", "web_search_options"):
-        _check(not body.get(name), name, f"'{name}' is not supported.")
-    for name in ("tool_choice", "function_call"):
-        _check(body.get(name) in (None, "none", "auto"), name, f"'{name}' is not supported (tools are not).")
-    response_format = body.get("response_format")
-    if response_format is not None:
-        _check(isinstance(response_format, dict), "response_format", "response_format must be an object.")
-        _check(response_format.get("type") == "text", "response_format.type",
-               "Only response_format type 'text' is supported.")
-    _check(body.get("modalities") in (None, ["text"]), "modalities", "Only the 'text' modality is supported.")
-    _check(not body.get("logprobs"), "logprobs", "logprobs are not supported yet.")
-    _check(not body.get("top_logprobs"), "top_logprobs", "top_logprobs are not supported yet.")
-
-
-def _refuse_completion_features(body: dict[str, Any]) -> None:
-    _check(body.get("logprobs") is None, "logprobs", "logprobs are not supported yet.")
-    _check(not body.get("echo"), "echo", "echo is not supported.")
-    _check(not body.get("suffix"), "suffix", "suffix is not supported.")
-    _check(body.get("best_of") in (None, 1), "best_of", "Only best_of=1 is supported.")
 
 
 # --- messages and prompts ------------------------------------------------------------------------
@@ -172,7 +160,9 @@ def _parse_prompt(prompt: Any) -> str | list[int]:
 def _parse_options(body: dict[str, Any], is_chat: bool) -> GenerationOptions:
     model = body.get("model")
     _check(model is None or isinstance(model, str), "model", "'model' must be a string.")
-    _check(_integer(body, "n", 1) == 1, "n", "Only n=1 is supported.")
+    n = _integer(body, "n", 1)
+    best_of = _integer(body, "best_of", None)
+    _check(best_of is None or best_of == n, "best_of", "best_of must equal n (ranking choices is not supported).")
 
     max_tokens_param = "max_tokens"
     max_tokens = _integer(body, "max_tokens", None)
@@ -189,9 +179,15 @@ def _parse_options(body: dict[str, Any], is_chat: bool) -> GenerationOptions:
         _check(is_stream, "stream_options", "'stream_options' is only allowed when 'stream' is true.")
         _check(isinstance(stream_options, dict), "stream_options", "'stream_options' must be an object.")
         include_usage = _boolean(stream_options, "include_usage", False, prefix="stream_options.")
+        _check(not stream_options.get("continuous_usage_stats"), "stream_options.continuous_usage_stats",
+               "Usage in every chunk (vLLM's continuous_usage_stats) is not supported.")
+    logprobs = _parse_chat_logprobs(body) if is_chat else _integer(body, "logprobs", None)
+    echo = False if is_chat else _boolean(body, "echo", False)
+    # With echo, logprobs would cover the prompt too, which needs prompt logprobs from the engine.
+    _check(not (echo and logprobs is not None), "echo", "echo together with logprobs is not supported yet.")
 
     params = SamplingParams(
-        n=1,
+        n=n,
         temperature=_number(body, "temperature", 1.0),
         top_p=_number(body, "top_p", 1.0),
         top_k=0 if top_k == -1 else top_k,  # vLLM spells "disabled" as -1
@@ -205,6 +201,7 @@ def _parse_options(body: dict[str, Any], is_chat: bool) -> GenerationOptions:
         min_tokens=_integer(body, "min_tokens", 0),
         stop_token_ids=tuple(_token_ids(body, "stop_token_ids")),
         ignore_eos=_boolean(body, "ignore_eos", False),
+        logprobs=logprobs,
     )
     check_sampling_params(params)
     return GenerationOptions(
@@ -219,7 +216,18 @@ def _parse_options(body: dict[str, Any], is_chat: bool) -> GenerationOptions:
         include_usage=include_usage,
         priority=_integer(body, "priority", 0),
         return_token_ids=_boolean(body, "return_token_ids", False),
+        echo=echo,
     )
+
+
+def _parse_chat_logprobs(body: dict[str, Any]) -> int | None:
+    """Chat spells it `logprobs: true` plus `top_logprobs: k`; the engine wants k (None: no logprobs)."""
+    wanted = _boolean(body, "logprobs", False)
+    top_logprobs = _integer(body, "top_logprobs", None)
+    _check(top_logprobs is None or 0 <= top_logprobs <= MAX_LOGPROBS, "top_logprobs",
+           f"top_logprobs must be in [0, {MAX_LOGPROBS}].")
+    _check(wanted or not top_logprobs, "top_logprobs", "top_logprobs needs 'logprobs': true.")
+    return (top_logprobs or 0) if wanted else None
 
 
 def _parse_stop(stop: Any) -> tuple[str, ...]:

@@ -17,9 +17,11 @@ from aiohttp import web
 from services.common.grpc_server import GrpcServer, install_stop_signals
 from services.common.logging_setup import setup_logging
 from services.common.pb import generate_pb2_grpc
+from services.common.telemetry import client_interceptors, server_interceptors, setup_tracing
 from services.frontend.app import create_app
 from services.frontend.config import FrontendConfig
 from services.frontend.grpc_service import SERVICE_NAME, GenerateServicer
+from services.frontend.observability import FrontendObserver, install
 from services.frontend.serving_engine import OpenAIServing, ServerState, ServingModel
 from services.frontend.tokenizer import eos_token_ids, load_tokenizer
 
@@ -39,27 +41,33 @@ class FrontendServer:
         self._runner: web.AppRunner | None = None
         self._grpc: GrpcServer | None = None
         self._readiness_task: asyncio.Task | None = None
+        self.tracing = None  # services/common/telemetry.Tracing when an OTLP endpoint is configured
+        self.observer: FrontendObserver | None = None
         self.http_port = 0
         self.grpc_port = 0
 
     async def start(self) -> None:
+        self.tracing = setup_tracing("spindle-frontend", self.config.telemetry.otlp_traces_endpoint)
         if self.model is None:
             self.model = await asyncio.to_thread(_load_model, self.config)
         if self.engine_client is None:
             from services.frontend.engine_client import EngineClient  # the integrator's module
 
-            self.engine_client = EngineClient(self.config.scheduler_addr)
+            self.engine_client = EngineClient(self.config.scheduler_addr, client_interceptors(self.tracing))
             await self.engine_client.start()
 
+        # Observability hook: /metrics, spans and request metrics (services/frontend/observability.py).
+        self.observer = FrontendObserver(self.engine_client, self.model.name, self.tracing)
+        self.engine_client.observer = self.observer
+        app = create_app(self.engine_client, self.model, self.state)
+        install(app, self.observer)
         # Handlers are cancelled when their client disconnects: that is what aborts its request.
-        self._runner = web.AppRunner(
-            create_app(self.engine_client, self.model, self.state), handler_cancellation=True, shutdown_timeout=1.0
-        )
+        self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0)
         await self._runner.setup()
         await web.TCPSite(self._runner, self.config.http_host, self.config.http_port).start()
         self.http_port = self._runner.addresses[0][1]
 
-        self._grpc = GrpcServer(self.config.grpc_addr, [SERVICE_NAME])
+        self._grpc = GrpcServer(self.config.grpc_addr, [SERVICE_NAME], server_interceptors(self.tracing))
         servicer = GenerateServicer(OpenAIServing(self.engine_client, self.model, self.state))
         generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, self._grpc.server)
         await self._grpc.start()
@@ -99,6 +107,8 @@ class FrontendServer:
             await self._grpc.stop(grace_s=1.0)
         if self.engine_client is not None and hasattr(self.engine_client, "close"):
             await self.engine_client.close()
+        if self.tracing is not None:
+            self.tracing.shutdown()  # exports the spans still queued
         logger.info("frontend stopped")
 
 

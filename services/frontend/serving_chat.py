@@ -1,4 +1,9 @@
-"""POST /v1/chat/completions: chat template, then one JSON response or a stream of chunks."""
+"""POST /v1/chat/completions: chat template, then one JSON response or a stream of chunks.
+
+`n` choices run as n engine requests at once; a stream interleaves their chunks, each tagged with
+its choice's `index`. With `logprobs: true`, every chunk (or the full choice) carries the logprobs
+of the tokens it covers.
+"""
 from __future__ import annotations
 
 import uuid
@@ -7,10 +12,9 @@ from typing import Any, AsyncIterator
 
 from aiohttp import web
 
-from services.common.messages import EngineCoreRequest
-from services.frontend.detokenizer import IncrementalDetokenizer
+from services.frontend.logprobs import chat_logprobs_content
 from services.frontend.protocol import ChatCompletionRequest, parse_chat_request, parse_json_body
-from services.frontend.serving_engine import OpenAIServing, add_token_ids, usage_dict
+from services.frontend.serving_engine import Choice, OpenAIServing, TextDelta, add_token_ids, choices_usage
 from services.frontend.sse import write_sse
 from services.frontend.tokenizer import render_chat_prompt
 
@@ -22,70 +26,77 @@ class OpenAIServingChat(OpenAIServing):
         self.check_ready()
         prompt_token_ids = render_chat_prompt(self.model.tokenizer, request.messages)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        engine_request = self.make_engine_request(request_id, prompt_token_ids, request.options, "messages")
-        detokenizer = self.make_detokenizer(prompt_token_ids, request.options)
+        choices = self.make_choices(request_id, prompt_token_ids, request.options, "messages")
         with self.state.track():
             if request.options.is_stream:
-                return await write_sse(http_request, self._stream_chunks(request, engine_request, detokenizer))
-            response = await self._full_response(engine_request, detokenizer)
+                return await write_sse(http_request, self._stream_chunks(request, request_id, choices))
+            response = await self._full_response(request, request_id, choices)
             if request.options.return_token_ids:
-                add_token_ids(response, engine_request, detokenizer)
+                add_token_ids(response, choices)
             return web.json_response(response)
 
-    async def _full_response(self, engine_request: EngineCoreRequest, detokenizer: IncrementalDetokenizer) -> dict:
-        texts, finish_reason, num_cached_tokens = [], None, 0
-        async with aclosing(self.generate(engine_request, detokenizer)) as deltas:
-            async for delta in deltas:
-                texts.append(delta.text)
-                finish_reason = delta.finish_reason or finish_reason
-                num_cached_tokens = delta.num_cached_tokens
+    def _logprobs(self, request: ChatCompletionRequest, delta: TextDelta) -> dict[str, Any] | None:
+        if request.options.sampling_params.logprobs is None:
+            return None
+        return {"content": chat_logprobs_content(self.token_strings, delta.token_ids, delta.logprobs),
+                "refusal": None}
+
+    async def _full_response(self, request: ChatCompletionRequest, request_id: str, choices: list[Choice]) -> dict:
+        texts: list[list[str]] = [[] for _ in choices]
+        logprobs: list[list[dict]] = [[] for _ in choices]
+        async with aclosing(self.generate_choices(choices)) as deltas:
+            async for index, delta in deltas:
+                texts[index].append(delta.text)
+                part = self._logprobs(request, delta)
+                if part is not None:
+                    logprobs[index].extend(part["content"])
+        wants_logprobs = request.options.sampling_params.logprobs is not None
         return {
-            "id": engine_request.request_id,
+            "id": request_id,
             "object": "chat.completion",
-            "created": int(engine_request.arrival_time),
+            "created": int(choices[0].engine_request.arrival_time),
             "model": self.model.name,
             "choices": [{
-                "index": 0,
-                "message": {"role": "assistant", "content": "".join(texts), "refusal": None},
-                "logprobs": None,
-                "finish_reason": finish_reason,
-            }],
-            "usage": usage_dict(len(engine_request.prompt_token_ids), len(detokenizer.output_token_ids),
-                                num_cached_tokens),
+                "index": i,
+                "message": {"role": "assistant", "content": "".join(texts[i]), "refusal": None},
+                "logprobs": {"content": logprobs[i], "refusal": None} if wants_logprobs else None,
+                "finish_reason": choice.finish_reason,
+            } for i, choice in enumerate(choices)],
+            "usage": choices_usage(choices),
         }
 
     async def _stream_chunks(
-        self, request: ChatCompletionRequest, engine_request: EngineCoreRequest, detokenizer: IncrementalDetokenizer
+        self, request: ChatCompletionRequest, request_id: str, choices: list[Choice]
     ) -> AsyncIterator[dict[str, Any]]:
-        """Role chunk (sent once the engine produced something), content chunks, finish, usage."""
-        created = int(engine_request.arrival_time)
-        is_first = True
-        num_cached_tokens = 0
+        """Per choice: a role chunk (once the engine produced something), content chunks, the finish;
+        then, if asked, one usage chunk for the whole request."""
+        created = int(choices[0].engine_request.arrival_time)
+        has_started = [False] * len(choices)
 
-        def chunk(delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+        def chunk(index: int, delta: dict[str, Any], finish_reason: str | None,
+                  logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
             return {
-                "id": engine_request.request_id,
+                "id": request_id,
                 "object": "chat.completion.chunk",
                 "created": created,
                 "model": self.model.name,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
             }
 
-        async with aclosing(self.generate(engine_request, detokenizer)) as deltas:
-            async for delta in deltas:
-                if is_first:
-                    yield chunk({"role": "assistant", "content": ""}, None)
-                    is_first = False
-                num_cached_tokens = delta.num_cached_tokens
-                if delta.text or delta.finish_reason:
-                    yield chunk({"content": delta.text} if delta.text else {}, delta.finish_reason)
+        async with aclosing(self.generate_choices(choices)) as deltas:
+            async for index, delta in deltas:
+                if not has_started[index]:
+                    yield chunk(index, {"role": "assistant", "content": ""}, None)
+                    has_started[index] = True
+                logprobs = self._logprobs(request, delta)
+                if delta.text or delta.finish_reason or (logprobs and logprobs["content"]):
+                    yield chunk(index, {"content": delta.text} if delta.text else {}, delta.finish_reason, logprobs)
         if request.options.include_usage:
             yield {
-                "id": engine_request.request_id,
+                "id": request_id,
                 "object": "chat.completion.chunk",
                 "created": created,
                 "model": self.model.name,
                 "choices": [],
-                "usage": usage_dict(len(engine_request.prompt_token_ids), len(detokenizer.output_token_ids),
-                                    num_cached_tokens),
+                "usage": choices_usage(choices),
             }

@@ -1,9 +1,10 @@
 """What chat, completions and the gRPC GenerateService share.
 
 `OpenAIServing` checks the model name and readiness, turns a validated request plus prompt token
-ids into an `EngineCoreRequest` (context-length checks, default max_tokens), and runs it: engine
-outputs go through the detokenizer and come out as `TextDelta`s. Leaving the delta iterator early
-(client gone, stop string) closes the engine's iterator, which aborts the request in the engine.
+ids into `EngineCoreRequest`s (context-length checks, default max_tokens; `n` choices are n engine
+requests), and runs them: engine outputs go through the detokenizer and come out as `TextDelta`s.
+Leaving the delta iterator early (client gone, stop string) closes the engine's iterator, which
+aborts the request in the engine.
 """
 from __future__ import annotations
 
@@ -11,13 +12,19 @@ import asyncio
 import contextlib
 import dataclasses
 import time
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterator
 
-from services.common.messages import EngineCoreRequest, FinishReason
+from services.common.messages import EngineCoreRequest, FinishReason, TokenLogprobs
 from services.frontend.detokenizer import IncrementalDetokenizer
 from services.frontend.errors import EngineError, invalid_request, model_not_found, service_unavailable
+from services.frontend.fanout import merge_streams
+from services.frontend.logprobs import TokenStrings
+from services.frontend.observability import observe_choices
 from services.frontend.protocol import GenerationOptions
+
+_INT64 = 2**64
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,21 @@ class TextDelta:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" or "length"
     num_cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)  # one per token id, if asked
+
+
+@dataclass
+class Choice:
+    """One choice of a request: its engine request, detokenizer and what arrived so far."""
+
+    engine_request: EngineCoreRequest
+    detokenizer: IncrementalDetokenizer
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.detokenizer.output_token_ids)
 
 
 class OpenAIServing:
@@ -75,6 +97,7 @@ class OpenAIServing:
         self.engine_client = engine_client
         self.model = model
         self.state = state
+        self.token_strings = TokenStrings(model.tokenizer)
 
     @property
     def is_ready(self) -> bool:
@@ -143,6 +166,44 @@ class OpenAIServing:
             eos_token_ids=self.model.eos_token_ids,
         )
 
+    def make_choices(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        options: GenerationOptions,
+        prompt_param: str,
+        default_max_tokens: int | None = None,
+    ) -> list[Choice]:
+        """One engine request per choice: ids `<id>-<i>` when n > 1, and seed + i so seeded choices differ."""
+        first = self.make_engine_request(request_id, prompt_token_ids, options, prompt_param, default_max_tokens)
+        n = options.n
+        first.sampling_params = dataclasses.replace(first.sampling_params, n=1)  # the engine sees single choices
+        requests = [first]
+        if n > 1:
+            seed = first.sampling_params.seed
+            requests = [
+                dataclasses.replace(
+                    first, request_id=f"{request_id}-{i}",
+                    sampling_params=dataclasses.replace(
+                        first.sampling_params, seed=None if seed is None else _wrap_int64(seed + i)))
+                for i in range(n)
+            ]
+        return [Choice(r, self.make_detokenizer(prompt_token_ids, options)) for r in requests]
+
+    async def generate_choices(self, choices: list[Choice]) -> AsyncIterator[tuple[int, TextDelta]]:
+        """Runs every choice at once; yields (choice index, delta) and records finish reasons and cache hits.
+
+        The first failing choice fails them all; leaving early aborts every unfinished one.
+        """
+        streams = [self.generate(c.engine_request, c.detokenizer) for c in choices]
+        # Observability hook: GenAI span, trace context and request metrics (services/frontend/observability.py).
+        async with aclosing(observe_choices(self.engine_client, choices, merge_streams(streams))) as deltas:
+            async for index, delta in deltas:
+                choice = choices[index]
+                choice.num_cached_tokens = delta.num_cached_tokens
+                choice.finish_reason = delta.finish_reason or choice.finish_reason
+                yield index, delta
+
     def make_detokenizer(self, prompt_token_ids: list[int], options: GenerationOptions) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(
             self.model.tokenizer,
@@ -161,6 +222,7 @@ class OpenAIServing:
         `contextlib.aclosing` so that leaving early aborts the request in the engine.
         """
         outputs = self.engine_client.generate(request)
+        wants_logprobs = request.sampling_params.logprobs is not None
         num_cached_tokens = 0
         is_finished = False
         try:
@@ -172,16 +234,18 @@ class OpenAIServing:
                     raise EngineError("The engine aborted the request.", "unavailable")
                 num_cached_tokens = max(num_cached_tokens, output.num_cached_tokens)
                 text = detokenizer.update(output.new_token_ids, is_finished=output.finished)
+                logprobs = list(output.new_logprobs) if wants_logprobs else []
                 if detokenizer.is_stopped:
                     await _close(outputs)  # abort now rather than after the client reads the last delta
-                    yield TextDelta(text, output.new_token_ids, "stop", num_cached_tokens)
+                    yield TextDelta(text, output.new_token_ids, "stop", num_cached_tokens, logprobs)
                     return
                 if output.finished:
                     # Keep iterating: the engine's iterator ends by itself after its last output.
                     is_finished = True
-                    yield TextDelta(text, output.new_token_ids, output.finish_reason.to_openai(), num_cached_tokens)
+                    yield TextDelta(text, output.new_token_ids, output.finish_reason.to_openai(), num_cached_tokens,
+                                    logprobs)
                 elif text or output.new_token_ids:
-                    yield TextDelta(text, output.new_token_ids, None, num_cached_tokens)
+                    yield TextDelta(text, output.new_token_ids, None, num_cached_tokens, logprobs)
             if not is_finished:
                 raise EngineError("The engine ended the request without finishing it.", "internal")
         finally:
@@ -195,6 +259,11 @@ class OpenAIServing:
                 raise invalid_request(f"Token id {bad[0]} is outside the vocabulary [0, {vocab_size}).", param=param)
 
 
+def _wrap_int64(value: int) -> int:
+    """seed + i wraps around inside int64, as the seed field is one."""
+    return (value + 2**63) % _INT64 - 2**63
+
+
 async def _close(iterator: Any) -> None:
     aclose = getattr(iterator, "aclose", None)
     if aclose is not None:
@@ -202,6 +271,7 @@ async def _close(iterator: Any) -> None:
 
 
 def usage_dict(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage object; with n choices the prompt counts once and the completions add up."""
     return {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_completion_tokens,
@@ -210,8 +280,14 @@ def usage_dict(num_prompt_tokens: int, num_completion_tokens: int, num_cached_to
     }
 
 
-def add_token_ids(response: dict[str, Any], engine_request: EngineCoreRequest,
-                  detokenizer: IncrementalDetokenizer) -> None:
-    """vLLM's `return_token_ids`: the prompt's and the choice's token ids beside the text."""
-    response["prompt_token_ids"] = list(engine_request.prompt_token_ids)
-    response["choices"][0]["token_ids"] = list(detokenizer.output_token_ids)
+def choices_usage(choices: list[Choice]) -> dict[str, Any]:
+    """Usage of a whole request; a cache hit counts only as far as every choice had it."""
+    return usage_dict(len(choices[0].engine_request.prompt_token_ids), sum(c.num_output_tokens for c in choices),
+                      min(c.num_cached_tokens for c in choices))
+
+
+def add_token_ids(response: dict[str, Any], choices: list[Choice]) -> None:
+    """vLLM's `return_token_ids`: the prompt's and each choice's token ids beside the text."""
+    response["prompt_token_ids"] = list(choices[0].engine_request.prompt_token_ids)
+    for out, choice in zip(response["choices"], choices):
+        out["token_ids"] = list(choice.detokenizer.output_token_ids)

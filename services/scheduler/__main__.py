@@ -7,23 +7,32 @@ import time
 
 from services.common.grpc_server import GrpcServer, install_stop_signals
 from services.common.logging_setup import setup_logging
+from services.common.metrics_server import MetricsServer, listen_host
+from services.common.telemetry import client_interceptors, server_interceptors, setup_tracing
 from services.common.pb import engine_core_pb2_grpc
 from services.scheduler.config import SchedulerServiceConfig, config_from_args
 from services.scheduler.engine_core import EngineCore
+from services.scheduler.metrics import scheduler_registry
 from services.scheduler.server import SERVICE_NAME, EngineCoreServicer
+from services.scheduler.tracing import SchedulerTracer
 from services.scheduler.worker_client import WorkerClient
 
 
 async def serve(config: SchedulerServiceConfig) -> None:
     logger = setup_logging("scheduler", config.log_level)
-    server = GrpcServer(config.scheduler_addr, [SERVICE_NAME])
+    tracing = setup_tracing("spindle-scheduler", config.telemetry.otlp_traces_endpoint)  # None: tracing off
+    server = GrpcServer(config.scheduler_addr, [SERVICE_NAME], server_interceptors(tracing))
     loop = asyncio.get_running_loop()
 
     def on_health_change(serving: bool) -> None:
         loop.create_task(server.set_serving(serving))
 
-    engine = EngineCore(config.scheduler, WorkerClient(config.worker_addr), on_health_change)
+    engine = EngineCore(config.scheduler, WorkerClient(config.worker_addr, client_interceptors(tracing)),
+                        on_health_change, tracer=SchedulerTracer(tracing) if tracing is not None else None)
     engine_core_pb2_grpc.add_EngineCoreServiceServicer_to_server(EngineCoreServicer(engine), server.server)
+    metrics_server = MetricsServer(scheduler_registry(engine), listen_host(config.scheduler_addr),
+                                   config.telemetry.metrics_port)
+    await metrics_server.start()
     await server.start()
     logger.info("scheduler listening on %s, waiting for worker %s", config.scheduler_addr, config.worker_addr)
 
@@ -52,6 +61,9 @@ async def serve(config: SchedulerServiceConfig) -> None:
     engine_task.cancel()
     await server.stop(grace_s=1.0)
     await engine.worker.close()
+    await metrics_server.stop()
+    if tracing is not None:
+        tracing.shutdown()  # exports the spans still queued
     logger.info("scheduler stopped")
 
 

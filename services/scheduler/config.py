@@ -5,6 +5,7 @@ import argparse
 from dataclasses import dataclass
 
 from services.common.flags import add_common_flags, add_flag
+from services.common.telemetry import TelemetryConfig, add_telemetry_flags, telemetry_config_from_args
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class SchedulerServiceConfig:
     log_level: str
     shutdown_timeout_s: float
     scheduler: SchedulerConfig
+    telemetry: TelemetryConfig = TelemetryConfig()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
              help="refuse new requests once this many wait (0: unbounded)")
     add_flag(parser, "--scheduling-policy", default="fcfs", choices=["fcfs", "priority"], help="queue order")
     add_flag(parser, "--enable-prefix-caching", type=bool, default=True, help="reuse KV blocks of shared prefixes")
+    add_telemetry_flags(parser, default_metrics_port=9092)
     add_common_flags(parser)
     return parser
 
@@ -63,4 +66,5 @@ def config_from_args(argv: list[str] | None = None) -> SchedulerServiceConfig:
             policy=args.scheduling_policy,
             enable_prefix_caching=args.enable_prefix_caching,
         ),
+        telemetry=telemetry_config_from_args(args),
     )

@@ -22,11 +22,13 @@ from services.common.messages import (
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.request import Request
 from services.scheduler.scheduler import RequestRejected, Scheduler
+from services.scheduler.tracing import SchedulerTracer
 from services.scheduler.worker_client import WorkerClient, WorkerStepError, WorkerUnavailable
 
 logger = logging.getLogger(__name__)
 
 MAX_RECONNECT_BACKOFF_S = 5.0
+IDLE_WORKER_CHECK_S = 0.5
 
 
 def error_output(request_id: str, message: str, code: str) -> EngineCoreOutput:
@@ -35,8 +37,10 @@ def error_output(request_id: str, message: str, code: str) -> EngineCoreOutput:
 
 class EngineCore:
     def __init__(self, config: SchedulerConfig, worker: WorkerClient,
-                 on_health_change: Callable[[bool], None] | None = None):
+                 on_health_change: Callable[[bool], None] | None = None, tracer: SchedulerTracer | None = None):
         self.config = config
+        # Observability hook: per-request spans (services/scheduler/tracing.py); None when tracing is off.
+        self.tracer = tracer
         self.worker = worker
         self.scheduler: Scheduler | None = None
         self.info: EngineInfo | None = None
@@ -67,7 +71,10 @@ class EngineCore:
             self._send(client_id, [error_output(req.request_id, why, "unavailable")])
             return
         self._req_client[req.request_id] = client_id
-        self._pending_adds.append(Request(req, client_id))
+        request = Request(req, client_id)
+        if self.tracer is not None:
+            self.tracer.on_add(request)
+        self._pending_adds.append(request)
         self._wakeup.set()
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -128,8 +135,7 @@ class EngineCore:
             if not scheduler.has_unfinished_requests() and not scheduler.finished_req_ids:
                 if stop.is_set():
                     return
-                self._wakeup.clear()
-                await self._wakeup.wait()
+                await self._wait_for_work()
                 continue
             scheduler_output = scheduler.schedule()
             try:
@@ -144,9 +150,22 @@ class EngineCore:
             if scheduler_output.total_num_scheduled_tokens == 0:
                 await asyncio.sleep(0.001)  # nothing fit this step; let frees and aborts arrive
 
+    async def _wait_for_work(self) -> None:
+        """Sleeps until a request or abort arrives, checking meanwhile that the worker is still there,
+        so a worker lost while idle turns health NOT_SERVING before the next request finds out."""
+        self._wakeup.clear()
+        while not self._wakeup.is_set():
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), IDLE_WORKER_CHECK_S)
+            except asyncio.TimeoutError:
+                if not self.worker.is_stream_open():
+                    raise WorkerUnavailable("the worker closed its stream while the engine was idle")
+
     def _apply_pending(self, scheduler: Scheduler) -> None:
         if self._pending_aborts:
             aborts, self._pending_aborts = self._pending_aborts, []
+            if self.tracer is not None:
+                self.tracer.on_aborted(aborts)
             for request in scheduler.abort_requests(aborts):
                 self._req_client.pop(request.request_id, None)
             aborted = set(aborts)
@@ -163,6 +182,8 @@ class EngineCore:
     def _publish(self, outputs: list[EngineCoreOutput], scheduler: Scheduler | None) -> None:
         if not outputs:
             return
+        if self.tracer is not None:
+            self.tracer.on_outputs(outputs)
         by_client: dict[int, list[EngineCoreOutput]] = {}
         for output in outputs:
             client_id = self._req_client.get(output.request_id)

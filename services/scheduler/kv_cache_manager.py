@@ -80,10 +80,13 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        num_computed = len(blocks) * self.block_size
-        self.prefix_cache_stats.num_queries += request.num_tokens
-        self.prefix_cache_stats.num_hits += num_computed
-        return blocks, num_computed
+        return blocks, len(blocks) * self.block_size
+
+    def record_prefix_cache_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Counts one admitted request's lookup (a request that waits is looked up again next step)."""
+        if self.enable_caching:
+            self.prefix_cache_stats.num_queries += num_tokens
+            self.prefix_cache_stats.num_hits += num_hit_tokens
 
     # --- allocation ------------------------------------------------------------------------------
     def can_fit(self, request: Request, computed_blocks: list[KVCacheBlock], num_tokens: int) -> bool:
@@ -138,7 +141,3 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
-
-    def reset_prefix_cache_stats(self) -> PrefixCacheStats:
-        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
-        return stats

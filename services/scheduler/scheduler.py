@@ -151,6 +151,7 @@ class Scheduler:
             else:
                 request.num_computed_tokens = num_cached
                 request.num_cached_tokens = num_cached
+                self.kv_cache_manager.record_prefix_cache_lookup(request.num_tokens, num_cached)
                 scheduled_new.append(request)
             request.status = RequestStatus.RUNNING
             request.record_event(RequestEventType.SCHEDULED)
@@ -249,7 +250,7 @@ class Scheduler:
             cached.resumed_token_ids.append(list(request.all_token_ids) if is_resumed else [])
         new_data = [
             NewRequestData(r.request_id, list(r.prompt_token_ids), r.sampling_params,
-                           new_block_ids[r.request_id], r.num_computed_tokens)
+                           new_block_ids[r.request_id], r.num_computed_tokens, r.traceparent)
             for r in new
         ]
         # Batch order: new requests, then cached ones (the codec restores this order on decode).

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any, Sequence
 
 import grpc
 
@@ -23,8 +24,9 @@ class WorkerStepError(Exception):
 
 
 class WorkerClient:
-    def __init__(self, address: str):
+    def __init__(self, address: str, interceptors: Sequence[Any] = ()):
         self.address = address
+        self._interceptors = list(interceptors)  # tracing: context in the handshake RPCs' metadata
         self._channel: grpc.aio.Channel | None = None
         self._stub: worker_pb2_grpc.WorkerServiceStub | None = None
         self._stream = None
@@ -32,7 +34,8 @@ class WorkerClient:
     async def connect(self, timeout_s: float = 5.0) -> KVCacheSpec:
         """Opens the channel and asks the worker how big its KV cache can be."""
         await self.close()
-        self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS,
+                                                  interceptors=self._interceptors or None)
         self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
         try:
             response = await self._stub.DescribeKVCache(
@@ -66,6 +69,10 @@ class WorkerClient:
         if response.error_message:
             raise WorkerStepError(response.error_message)
         return codec.model_runner_output_from_pb(response.model_runner_output)
+
+    def is_stream_open(self) -> bool:
+        """False once the step stream has ended (the worker died or closed it)."""
+        return self._stream is not None and not self._stream.done()
 
     async def close(self) -> None:
         if self._stream is not None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from services.common.flags import add_common_flags, add_flag
+from services.common.telemetry import TelemetryConfig, add_telemetry_flags, telemetry_config_from_args
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 GiB = 2**30
@@ -42,6 +43,7 @@ class WorkerConfig:
     log_level: str = "INFO"
     shutdown_timeout: float = 30.0
     fake_model: bool = False  # no weights; each step returns a fixed token (engine-overhead benchmark)
+    telemetry: TelemetryConfig = TelemetryConfig()  # traces endpoint and metrics port
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -87,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--num-threads", type=int, help="torch intra-op threads (default: torch's choice)")
     add_flag(parser, "--fake-model", type=bool, default=False,
              help="load no weights; every step returns a fixed token at once (measures engine overhead)")
+    add_telemetry_flags(parser, default_metrics_port=9093)
     add_common_flags(parser)
     return parser
 
@@ -110,6 +113,7 @@ def config_from_args(argv: list[str] | None = None) -> WorkerConfig:
         log_level=args.log_level,
         shutdown_timeout=args.shutdown_timeout,
         fake_model=args.fake_model,
+        telemetry=telemetry_config_from_args(args),
     )
 
 

@@ -80,9 +80,14 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
     """Keeps each row's top_k most likely tokens, then the smallest set whose mass reaches top_p."""
     if top_p is None:
-        # top-k alone: a k-th largest threshold per row, no full sort.
-        max_k = int(top_k.max())
+        # top-k alone: a k-th largest threshold per row, no full sort. Rows without top-k (k = vocab
+        # size) get no threshold, so they do not make every row pay for a top-k of the whole vocabulary.
+        is_enabled = top_k < logits.shape[1]
+        if not bool(is_enabled.any()):
+            return logits
+        max_k = int(top_k[is_enabled].max())
         kth = logits.topk(max_k, dim=-1).values.gather(1, (top_k - 1).clamp(max=max_k - 1)[:, None])
+        kth = kth.masked_fill(~is_enabled[:, None], float("-inf"))
         return logits.masked_fill(logits < kth, float("-inf"))
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
     if top_k is not None:

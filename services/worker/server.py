@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
 from services.common import codec
 from services.common.grpc_server import GrpcServer, install_stop_signals
+from services.common.metrics_server import MetricsServer, listen_host
 from services.common.pb import worker_pb2, worker_pb2_grpc
+from services.common.telemetry import Tracing, server_interceptors, setup_tracing
 from services.worker.config import WorkerConfig
+from services.worker.metrics import WorkerMetrics
+from services.worker.tracing import WorkerTracer
 from services.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -29,6 +34,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.worker = worker
         self.executor = executor
         self.is_ready = False
+        # Observability hooks (services/worker/metrics.py, tracing.py); tracer is None when tracing is off.
+        self.metrics = WorkerMetrics()
+        self.tracer: WorkerTracer | None = None
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -48,6 +56,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         except (ValueError, RuntimeError, MemoryError) as exc:
             logger.exception("InitializeKVCache(%d) failed", request.num_blocks)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"cannot allocate the KV cache: {exc}")
+        if self.tracer is not None:
+            await self._run(self.tracer.reset)  # the runner dropped every request
         return worker_pb2.InitializeKVCacheResponse(num_blocks=num_blocks, kv_cache_bytes=num_bytes)
 
     async def ExecuteModel(self, request_iterator, context):
@@ -57,12 +67,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     def _step(self, request: worker_pb2.ExecuteModelRequest) -> worker_pb2.ExecuteModelResponse:
         step_id = request.scheduler_output.step_id
+        start_s = time.time()
         try:
             scheduler_output = codec.scheduler_output_from_pb(request.scheduler_output)
             output = self.worker.execute_model(scheduler_output)
+            self.metrics.on_step(scheduler_output, output)
+            if self.tracer is not None:
+                self.tracer.on_step(scheduler_output, output, start_s, time.time())
             return worker_pb2.ExecuteModelResponse(model_runner_output=codec.model_runner_output_to_pb(output))
         except Exception as exc:  # noqa: BLE001 - any failure is reported to the scheduler, not raised
             logger.exception("step %d failed", step_id)
+            self.metrics.on_step_failed()
             return worker_pb2.ExecuteModelResponse(
                 model_runner_output=worker_pb2.ModelRunnerOutput(step_id=step_id),
                 error_message=f"worker step {step_id} failed: {type(exc).__name__}: {exc}",
@@ -72,12 +87,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 class WorkerServer:
     """Starts serving health (NOT_SERVING) at once, then loads the model and turns SERVING."""
 
-    def __init__(self, config: WorkerConfig, worker: Worker | None = None):
+    def __init__(self, config: WorkerConfig, worker: Worker | None = None, tracing: Tracing | None = None):
         self.config = config
         self.worker = worker or Worker(config)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-runner")
         self.servicer = WorkerServicer(self.worker, self.executor)
-        self.grpc = GrpcServer(config.worker_addr, [SERVICE_NAME])
+        self.tracing = tracing
+        self.servicer.tracer = WorkerTracer(tracing) if tracing is not None else None
+        self.metrics_server = MetricsServer(self.servicer.metrics.registry, listen_host(config.worker_addr),
+                                            config.telemetry.metrics_port)
+        self.grpc = GrpcServer(config.worker_addr, [SERVICE_NAME], server_interceptors(tracing))
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(self.servicer, self.grpc.server)
 
     @property
@@ -86,6 +105,7 @@ class WorkerServer:
         return f"{host}:{self.grpc.port}"
 
     async def start(self) -> None:
+        await self.metrics_server.start()
         await self.grpc.start()
         logger.info("worker listening on %s (NOT_SERVING until the model is loaded)", self.address)
 
@@ -94,6 +114,7 @@ class WorkerServer:
         self.servicer.is_ready = True
         await self.grpc.set_serving(True)
         spec = self.worker.describe_kv_cache()
+        self.servicer.metrics.set_model_name(spec.model_name)
         logger.info(
             "worker ready on %s (model %s, dtype %s, device %s, %d KV blocks of %d tokens, max_model_len %d)",
             self.address, spec.model_name, spec.dtype, spec.device, spec.num_blocks, spec.block_size,
@@ -104,11 +125,14 @@ class WorkerServer:
         self.servicer.is_ready = False
         await self.grpc.stop(grace_s)
         self.executor.shutdown(wait=False, cancel_futures=True)
+        await self.metrics_server.stop()
+        if self.tracing is not None:
+            self.tracing.shutdown()  # exports the spans still queued
 
 
 async def serve(config: WorkerConfig) -> int:
     """Runs until SIGTERM/SIGINT; returns the process exit code."""
-    server = WorkerServer(config)
+    server = WorkerServer(config, tracing=setup_tracing("spindle-worker", config.telemetry.otlp_traces_endpoint))
     stop = asyncio.Event()
     install_stop_signals(stop)
     await server.start()

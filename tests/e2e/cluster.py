@@ -37,6 +37,11 @@ class SpindleCluster:
             "SPINDLE_WORKER_ADDR": self.worker_addr,
             "SPINDLE_DTYPE": "float32",
             "SPINDLE_SHUTDOWN_TIMEOUT": "5",
+            # One intra-op thread: on a 2-core machine shared with the frontend, the scheduler and the
+            # test process, two spinning OpenMP threads slow small matmuls down by an order of magnitude.
+            "SPINDLE_NUM_THREADS": "1",
+            # Clusters of several tests may run side by side: no fixed metrics ports.
+            "SPINDLE_METRICS_PORT": "0",
             "PYTHONUNBUFFERED": "1",
             **(env or {}),
         }

@@ -135,3 +135,10 @@ def test_lost_worker_fails_requests_clearly_and_the_engine_recovers(cluster):
         model=resolve_model(None, None).name, messages=[{"role": "user", "content": "What is the capital of France?"}],
         max_tokens=20, temperature=0)
     assert resp.choices[0].message.content == "The capital of France is Paris."
+    # A worker lost while the engine is idle is noticed too, before a request finds out.
+    cluster.procs["worker"].kill()
+    deadline = time.monotonic() + 10
+    while _health_status(cluster) != 503:
+        assert time.monotonic() < deadline, "an idle engine did not notice its worker died"
+        time.sleep(0.2)
+    assert not _grpc_serving(cluster.scheduler_addr)

@@ -8,7 +8,14 @@ from typing import Any, AsyncIterator, Sequence
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from services.common.messages import EngineCoreOutput, EngineCoreRequest, EngineInfo, FinishReason, SchedulerStats
+from services.common.messages import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    EngineInfo,
+    FinishReason,
+    SchedulerStats,
+    TokenLogprobs,
+)
 from services.frontend.app import create_app
 from services.frontend.errors import EngineError
 from services.frontend.serving_engine import ServerState, ServingModel
@@ -57,7 +64,8 @@ class FakeEngineClient:
     Knobs: `is_ready`; `refuse` (an EngineError raised before the first output); `fail_after`
     (raise `failure` after that many outputs); `error_after` (emit a FINISH_REASON_ERROR output after
     that many); `step_delay_s`; `num_cached_tokens`. Records `requests` and `aborted` request ids
-    (a request counts as aborted when its iterator is closed before its last output).
+    (a request counts as aborted when its iterator is closed before its last output). A request
+    asking for k logprobs gets `fake_logprobs(token, k)` with each token.
     """
 
     def __init__(self, tokenizer: Any, reply: str = "Hello world.", *, reply_token_ids: Sequence[int] | None = None,
@@ -102,8 +110,10 @@ class FakeEngineClient:
                 else:
                     reason = FinishReason.NONE
                 is_done = reason != FinishReason.NONE
+                k = request.sampling_params.logprobs
                 yield EngineCoreOutput(request.request_id, [token], finish_reason=reason,
-                                       num_cached_tokens=self.num_cached_tokens)
+                                       num_cached_tokens=self.num_cached_tokens,
+                                       new_logprobs=[] if k is None else [fake_logprobs(token, k)])
         finally:
             if not is_done:
                 self.aborted.append(request.request_id)
@@ -113,6 +123,12 @@ class FakeEngineClient:
 
     async def get_stats(self) -> tuple[SchedulerStats, bool]:
         return SchedulerStats(), self.is_ready
+
+
+def fake_logprobs(token: int, k: int) -> TokenLogprobs:
+    """The sampled token at -0.25 (rank 1), then k - 1 other tokens below it, sorted."""
+    top = [(token, -0.25)] + [(token + j, -0.25 - j) for j in range(1, k)]
+    return TokenLogprobs(logprob=-0.25, rank=1, top_logprobs=top[:k])
 
 
 def serving_model(tokenizer: Any, max_model_len: int | None = None) -> ServingModel:

@@ -1,4 +1,5 @@
-"""Every bad input gets the right status and an OpenAI error object naming the field."""
+"""Errors beyond the bad-input table (tests/frontend/test_bad_inputs.py): engine refusals, routes,
+draining, body size, accepted annotation fields."""
 from __future__ import annotations
 
 import asyncio
@@ -24,104 +25,29 @@ def completion(**fields):
     return {"model": "fake-model", "prompt": "Hello", **fields}
 
 
-# (path, body, status, param, code); a bytes body is sent as is.
-BAD_INPUTS = [
-    (CHAT, b"{not json", 400, None, None),
-    (CHAT, b"[1, 2]", 400, None, None),
-    (CHAT, {"model": "fake-model"}, 400, "messages", None),
-    (CHAT, chat(messages=[]), 400, "messages", None),
-    (CHAT, chat(messages="hi"), 400, "messages", None),
-    (CHAT, chat(messages=["hi"]), 400, "messages[0]", None),
-    (CHAT, chat(messages=[{"content": "hi"}]), 400, "messages[0].role", None),
-    (CHAT, chat(messages=[{"role": "wizard", "content": "hi"}]), 400, "messages[0].role", None),
-    (CHAT, chat(messages=[{"role": "tool", "content": "42", "tool_call_id": "x"}]), 400, "messages[0].role", None),
-    (CHAT, chat(messages=[{"role": "user"}]), 400, "messages[0].content", None),
-    (CHAT, chat(messages=[{"role": "user", "content": 5}]), 400, "messages[0].content", None),
-    (CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
-     400, "messages[0].content[0].type", None),
-    (CHAT, chat(messages=[{"role": "assistant", "content": "I start"}]), 400, "messages", None),  # template refuses
-    (CHAT, chat(max_tokens=0), 400, "max_tokens", None),
-    (CHAT, chat(max_tokens=-5), 400, "max_tokens", None),
-    (CHAT, chat(max_tokens="ten"), 400, "max_tokens", None),
-    (CHAT, chat(max_tokens=1.5), 400, "max_tokens", None),
-    (CHAT, chat(max_completion_tokens=0), 400, "max_completion_tokens", None),
-    (CHAT, chat(max_tokens=10_000), 400, "max_tokens", "context_length_exceeded"),
-    (CHAT, chat(messages=[{"role": "user", "content": "word " * 300}]), 400, "messages", "context_length_exceeded"),
-    (CHAT, chat(temperature=2.5), 400, "temperature", None),
-    (CHAT, chat(temperature=-0.1), 400, "temperature", None),
-    (CHAT, chat(temperature="hot"), 400, "temperature", None),
-    (CHAT, chat(top_p=0), 400, "top_p", None),
-    (CHAT, chat(top_p=1.5), 400, "top_p", None),
-    (CHAT, chat(top_k=-2), 400, "top_k", None),
-    (CHAT, chat(min_p=2), 400, "min_p", None),
-    (CHAT, chat(presence_penalty=3), 400, "presence_penalty", None),
-    (CHAT, chat(frequency_penalty=-3), 400, "frequency_penalty", None),
-    (CHAT, chat(seed="x"), 400, "seed", None),
-    (CHAT, chat(n=2), 400, "n", None),
-    (CHAT, chat(stream="yes"), 400, "stream", None),
-    (CHAT, chat(stream_options={"include_usage": True}), 400, "stream_options", None),
-    (CHAT, chat(stream=True, stream_options={"include_usage": "yes"}), 400, "stream_options.include_usage", None),
-    (CHAT, chat(stop=[""]), 400, "stop", None),
-    (CHAT, chat(stop=5), 400, "stop", None),
-    (CHAT, chat(logit_bias={"abc": 1}), 400, "logit_bias", None),
-    (CHAT, chat(logit_bias={"5": 200}), 400, "logit_bias", None),
-    (CHAT, chat(logit_bias={"99999": 1}), 400, "logit_bias", None),  # outside the vocabulary
-    (CHAT, chat(stop_token_ids=[99999]), 400, "stop_token_ids", None),
-    (CHAT, chat(min_tokens=50, max_tokens=10), 400, "min_tokens", None),
-    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools", None),
-    (CHAT, chat(tool_choice="required"), 400, "tool_choice", None),
-    (CHAT, chat(functions=[{"name": "f"}]), 400, "functions", None),
-    (CHAT, chat(response_format={"type": "json_object"}), 400, "response_format.type", None),
-    (CHAT, chat(logprobs=True), 400, "logprobs", None),
-    (CHAT, chat(top_logprobs=3), 400, "top_logprobs", None),
-    (CHAT, chat(modalities=["text", "audio"]), 400, "modalities", None),
-    (CHAT, chat(model="gpt-4o"), 404, "model", "model_not_found"),
-    (CHAT, chat(model=7), 400, "model", None),
-    (COMPLETIONS, {"model": "fake-model"}, 400, "prompt", None),
-    (COMPLETIONS, completion(prompt=""), 400, "prompt", None),
-    (COMPLETIONS, completion(prompt=[]), 400, "prompt", None),
-    (COMPLETIONS, completion(prompt=["a", "b"]), 400, "prompt", None),
-    (COMPLETIONS, completion(prompt=[[1, 2], [3]]), 400, "prompt", None),
-    (COMPLETIONS, completion(prompt=[-1]), 400, "prompt", None),
-    (COMPLETIONS, completion(prompt=[99999]), 400, "prompt", None),
-    (COMPLETIONS, completion(prompt=list(range(3, 300))), 400, "prompt", "context_length_exceeded"),
-    (COMPLETIONS, completion(max_tokens=0), 400, "max_tokens", None),
-    (COMPLETIONS, completion(max_completion_tokens=0, max_tokens=3), 200, None, None),  # chat-only field ignored
-    (COMPLETIONS, completion(n=3), 400, "n", None),
-    (COMPLETIONS, completion(best_of=2), 400, "best_of", None),
-    (COMPLETIONS, completion(echo=True), 400, "echo", None),
-    (COMPLETIONS, completion(suffix="!"), 400, "suffix", None),
-    (COMPLETIONS, completion(logprobs=2), 400, "logprobs", None),
-    (COMPLETIONS, completion(temperature=9), 400, "temperature", None),
-    (COMPLETIONS, completion(model="nope"), 404, "model", "model_not_found"),
-]
-
-
-def _request(client, path, body):
-    if isinstance(body, bytes):
-        return client.post(path, data=body, headers={"Content-Type": "application/json"})
-    return client.post(path, json=body)
-
-
-@pytest.mark.parametrize("path, body, status, param, code", BAD_INPUTS,
-                         ids=[f"{p.rsplit('/', 1)[-1]}-{i}" for i, (p, *_r) in enumerate(BAD_INPUTS)])
-def test_bad_inputs(path, body, status, param, code):
+def test_chat_template_refusal_is_a_400_on_messages():
+    """Templates raise to refuse e.g. a conversation that starts with the assistant (the fake's does)."""
     async def scenario():
         engine = FakeEngineClient(make_tokenizer())
         async with app_client(engine) as client:
-            response = await _request(client, path, body)
+            response = await client.post(CHAT, json=chat(messages=[{"role": "assistant", "content": "I start"}]))
             return response.status, await response.json(), engine
 
-    got_status, payload, engine = asyncio.run(scenario())
-    assert got_status == status, payload
-    if status == 200:
-        return
+    status, payload, engine = asyncio.run(scenario())
+    assert status == 400
     validate(payload, "ErrorResponse")
-    assert payload["error"]["param"] == param
-    assert payload["error"]["code"] == code
-    assert payload["error"]["type"] == "invalid_request_error"
-    assert payload["error"]["message"]
-    assert engine.requests == []  # refused before reaching the engine
+    assert payload["error"]["param"] == "messages" and engine.requests == []
+
+
+def test_chat_only_field_is_ignored_by_completions():
+    async def scenario():
+        engine = FakeEngineClient(make_tokenizer())
+        async with app_client(engine) as client:
+            response = await client.post(COMPLETIONS, json=completion(max_completion_tokens=0, max_tokens=3))
+            return response.status, engine
+
+    status, engine = asyncio.run(scenario())
+    assert status == 200 and engine.requests[0].sampling_params.max_tokens == 3
 
 
 def test_accepted_extra_and_annotation_fields_reach_the_engine():

@@ -77,21 +77,6 @@ def _status_of(engine: FakeEngineClient, request: generate_pb2.GenerateRequest) 
     return info.value.code()
 
 
-@pytest.mark.parametrize("request_, code", [
-    (generate_pb2.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT),
-    (_request(text=""), grpc.StatusCode.INVALID_ARGUMENT),
-    (_request(text="x", params={"temperature": 3.0}), grpc.StatusCode.INVALID_ARGUMENT),
-    (_request(text="x", params={"max_tokens": -1}), grpc.StatusCode.INVALID_ARGUMENT),
-    (_request(text="x", params={"max_tokens": 10_000}), grpc.StatusCode.INVALID_ARGUMENT),
-    (_request(text="x", params={"n": 2}), grpc.StatusCode.INVALID_ARGUMENT),
-    (_request(text="x", stop=[""]), grpc.StatusCode.INVALID_ARGUMENT),
-    (_request(token_ids=engine_core_pb2.TokenIds(token_ids=[10**6])), grpc.StatusCode.INVALID_ARGUMENT),
-    (_request(text="x", model="other"), grpc.StatusCode.NOT_FOUND),
-])
-def test_bad_requests(request_, code):
-    assert _status_of(FakeEngineClient(make_tokenizer()), request_) == code
-
-
 @pytest.mark.parametrize("configure, code", [
     (lambda e: setattr(e, "is_ready", False), grpc.StatusCode.UNAVAILABLE),
     (lambda e: setattr(e, "refuse", EngineError("full", "resource_exhausted")), grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -119,3 +104,76 @@ def test_client_cancel_aborts_the_request():
 
     engine, aborted = asyncio.run(scenario())
     assert aborted == [engine.requests[0].request_id]
+
+
+def test_n_choices_are_indexed_and_logprobs_travel_as_ids():
+    engine = FakeEngineClient(make_tokenizer(), "Hello world.")
+    responses = _call(engine, _request(text="x", params={"n": 2, "logprobs": 2, "max_tokens": 50}))
+    for index in (0, 1):
+        mine = [r for r in responses if r.index == index]
+        assert "".join(r.text for r in mine) == "Hello world."
+        assert mine[-1].finish_reason == FinishReason.STOP
+        for r in mine:
+            assert len(r.logprobs) == len(r.token_ids)
+            assert all(lp.top_logprobs[0].token_id == t and len(lp.top_logprobs) == 2
+                       for lp, t in zip(r.logprobs, r.token_ids))
+    assert len({r.request_id for r in responses}) == 1
+
+
+def test_tokenize_and_model_info():
+    tokenizer = make_tokenizer()
+
+    async def scenario():
+        engine = FakeEngineClient(tokenizer)
+        async with grpc_stub(engine) as stub:
+            tokens = await stub.Tokenize(generate_pb2.TokenizeRequest(text="Hello world."))
+            raw = await stub.Tokenize(generate_pb2.TokenizeRequest(text="Hello world.", add_special_tokens=False))
+            info = await stub.GetModelInfo(generate_pb2.GetModelInfoRequest())
+            engine.is_ready = False
+            with pytest.raises(grpc.aio.AioRpcError) as not_ready:
+                await stub.GetModelInfo(generate_pb2.GetModelInfoRequest())
+            return tokens, raw, info, not_ready.value.code()
+
+    tokens, raw, info, not_ready = asyncio.run(scenario())
+    assert list(tokens.token_ids) == tokenizer.encode("Hello world.")
+    assert list(raw.token_ids) == tokenizer.encode("Hello world.", add_special_tokens=False)
+    assert list(tokens.tokens) == tokenizer.convert_ids_to_tokens(list(tokens.token_ids))
+    assert tokens.max_model_len == 256
+    assert (info.model_name, info.max_model_len, info.vocab_size) == ("fake-model", 256, len(tokenizer))
+    assert list(info.eos_token_ids) == [tokenizer.eos_token_id]
+    assert not_ready == grpc.StatusCode.UNAVAILABLE
+
+
+def test_abort_cancels_the_call_and_aborts_every_choice():
+    async def scenario():
+        engine = FakeEngineClient(make_tokenizer(), "word " * 200, step_delay_s=0.01)
+        async with grpc_stub(engine) as stub:
+            call = stub.Generate(_request(request_id="job-1", text="x", params={"n": 2}))
+            first = await call.read()
+            await stub.Abort(generate_pb2.AbortRequest(request_id="job-1"))
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                while True:
+                    if await call.read() is grpc.aio.EOF:
+                        break
+            with pytest.raises(grpc.aio.AioRpcError) as again:  # the id is free once the call ended
+                await stub.Abort(generate_pb2.AbortRequest(request_id="job-1"))
+            return engine, first, info.value.code(), again.value.code()
+
+    engine, first, code, again = asyncio.run(scenario())
+    assert first.request_id == "job-1"
+    assert code == grpc.StatusCode.CANCELLED and again == grpc.StatusCode.NOT_FOUND
+    assert sorted(engine.aborted) == sorted(r.request_id for r in engine.requests) and len(engine.requests) == 2
+
+
+def test_duplicate_running_request_id_is_refused():
+    async def scenario():
+        engine = FakeEngineClient(make_tokenizer(), "word " * 200, step_delay_s=0.01)
+        async with grpc_stub(engine) as stub:
+            call = stub.Generate(_request(request_id="same", text="x"))
+            await call.read()
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                [r async for r in stub.Generate(_request(request_id="same", text="y"))]
+            call.cancel()
+            return info.value.code()
+
+    assert asyncio.run(scenario()) == grpc.StatusCode.INVALID_ARGUMENT

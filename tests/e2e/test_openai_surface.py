@@ -1,0 +1,338 @@
+"""The OpenAI surface end to end on the embedded default model, through the official `openai` client.
+
+Each sampling knob is checked by an effect that would fail if the knob were ignored; logprobs are
+checked against transformers' log-softmax; every bad-input row of docs/api.md is sent to the real
+services. One cluster serves the whole module.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from services.common.model_files import resolve_model
+from tests.e2e.cluster import SpindleCluster
+from tests.frontend.bad_inputs import HTTP_CASES, doc_cases
+from tests.openai_schema import validate
+
+CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+STORY = "Once upon a time"
+EMOJIS = [{"role": "user", "content": "Reply with three emojis."}]  # greedy: one emoji over and over
+JAPANESE = [{"role": "user", "content": "Write the word 'cat' in Japanese."}]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return resolve_model(None, None)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = SpindleCluster(tmp_path_factory.mktemp("logs"),
+                       env={"SPINDLE_KV_CACHE_BYTES": str(256 * 2**20), "SPINDLE_MAX_MODEL_LEN": "2048",
+                            # One compute thread: on a shared 2-core machine two MKL threads spin
+                            # against other processes and make batched steps many times slower.
+                            "SPINDLE_NUM_THREADS": "1"})
+    try:
+        yield c.start()
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    return openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def gather(cluster, calls):
+    """Runs `calls` (functions of an AsyncOpenAI client) at once, so the engine batches them."""
+    async def run():
+        async with openai.AsyncOpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0,
+                                      timeout=300) as aclient:
+            return await asyncio.gather(*[call(aclient) for call in calls])
+
+    return asyncio.run(run())
+
+
+def completion(client, model, **kwargs):
+    kwargs.setdefault("prompt", STORY)
+    kwargs.setdefault("max_tokens", 12)
+    response = client.completions.create(model=model.name, **kwargs)
+    validate(response.model_dump(mode="json", exclude_unset=True), "CreateCompletionResponse")
+    return response
+
+
+def chat(client, model, **kwargs):
+    kwargs.setdefault("messages", CAPITAL)
+    response = client.chat.completions.create(model=model.name, **kwargs)
+    validate(response.model_dump(mode="json", exclude_unset=True), "CreateChatCompletionResponse")
+    return response
+
+
+def get_json(cluster, path: str) -> dict:
+    with urllib.request.urlopen(cluster.base_url + path, timeout=30) as resp:
+        return json.load(resp)
+
+
+def post_json(cluster, path: str, body) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(cluster.base_url + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.load(resp)
+    except urllib.error.HTTPError as err:
+        return err.code, json.load(err)
+
+
+# --- sampling knobs ------------------------------------------------------------------------------
+# Knobs the openai client takes as arguments; the rest (vLLM's) travel in `extra_body`.
+_OPENAI_ARGS = {"n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "logit_bias", "stop",
+                "logprobs", "top_logprobs", "echo", "stream_options"}
+
+
+def _split(kwargs: dict) -> dict:
+    extra = {k: v for k, v in kwargs.items() if k not in _OPENAI_ARGS}
+    return {**{k: v for k, v in kwargs.items() if k in _OPENAI_ARGS}, "extra_body": extra}
+
+
+def _completion_call(model, prompt=STORY, max_tokens=8, **kwargs):
+    """An AsyncOpenAI completions call for `gather`."""
+    return lambda c: c.completions.create(model=model.name, prompt=prompt, max_tokens=max_tokens, **_split(kwargs))
+
+
+def _chat_call(model, messages=CAPITAL, **kwargs):
+    """An AsyncOpenAI chat call for `gather`, with the prompt's and the choices' token ids."""
+    kwargs.setdefault("return_token_ids", True)
+    return lambda c: c.chat.completions.create(model=model.name, messages=messages, **_split(kwargs))
+
+
+def test_greedy_equivalents_at_high_temperature(cluster, model):
+    """top_k=1, a tiny top_p and min_p=1 each leave only the top token: the greedy text at temperature 2."""
+    greedy, *narrowed, free = gather(cluster, [
+        _completion_call(model, temperature=0),
+        _completion_call(model, temperature=2.0, seed=1, top_k=1),
+        _completion_call(model, temperature=2.0, seed=2, top_p=1e-6),
+        _completion_call(model, temperature=2.0, seed=3, min_p=1.0),
+        _completion_call(model, temperature=2.0, seed=4),
+    ])
+    assert [r.choices[0].text for r in narrowed] == [greedy.choices[0].text] * 3
+    assert free.choices[0].text != greedy.choices[0].text  # temperature 2 without the knobs wanders off
+
+
+def test_seed_repeats_alone_and_inside_a_batch(cluster, model):
+    (alone,) = gather(cluster, [_completion_call(model, temperature=1.5, seed=7)])
+    # The same seed batched with other seeded and unseeded random requests gives the same text again.
+    again, other_seed, *_ = gather(cluster, [
+        _completion_call(model, temperature=1.5, seed=7),
+        _completion_call(model, temperature=1.5, seed=8),
+        _completion_call(model, temperature=1.5, prompt="The weather today"),
+        _completion_call(model, temperature=1.5),
+    ])
+    assert again.choices[0].text == alone.choices[0].text
+    assert other_seed.choices[0].text != alone.choices[0].text
+
+
+def _repeats(token_ids: list[int]) -> int:
+    return max(collections.Counter(token_ids).values())
+
+
+def test_penalties_lower_the_repeats_of_a_token(cluster, model):
+    base, *penalised = gather(cluster, [
+        _chat_call(model, messages=EMOJIS, max_tokens=16, temperature=0, **penalty)
+        for penalty in ({}, {"frequency_penalty": 2.0}, {"presence_penalty": 2.0}, {"repetition_penalty": 2.0})
+    ])
+    assert _repeats(base.choices[0].token_ids) >= 6, base.choices[0].message.content
+    for name, response in zip(("frequency", "presence", "repetition"), penalised):
+        assert _repeats(response.choices[0].token_ids) < _repeats(base.choices[0].token_ids), name
+
+
+def test_logit_bias_forces_and_forbids_tokens(cluster, client, model):
+    forced_id = 17  # "!" in SmolLM2's vocabulary
+    forced, greedy = gather(cluster, [_chat_call(model, max_tokens=8, logit_bias={str(forced_id): 100}),
+                                      _chat_call(model, max_tokens=2, temperature=0)])
+    assert forced.choices[0].token_ids == [forced_id] * 8
+    first = greedy.choices[0].token_ids[0]
+    banned = chat(client, model, max_tokens=2, temperature=0, logit_bias={str(first): -100},
+                  extra_body={"return_token_ids": True})
+    assert banned.choices[0].token_ids[0] != first
+
+
+def test_min_tokens_stop_token_ids_and_ignore_eos(cluster, model):
+    base, min_tokens, ignore_eos, stop_token = gather(cluster, [
+        _chat_call(model, temperature=0, max_tokens=24),
+        _chat_call(model, temperature=0, max_tokens=24, min_tokens=20),
+        _chat_call(model, temperature=0, max_tokens=24, ignore_eos=True),
+        _chat_call(model, temperature=0, max_tokens=24, stop_token_ids=[7042]),
+    ])
+    assert base.choices[0].finish_reason == "stop" and base.usage.completion_tokens < 20  # ends at EOS
+    assert min_tokens.usage.completion_tokens >= 20
+    assert ignore_eos.usage.completion_tokens == 24 and ignore_eos.choices[0].finish_reason == "length"
+    # " Paris" (7042) ends the request where it appears; the token itself stays in the output.
+    base_ids = base.choices[0].token_ids
+    assert 7042 in base_ids
+    assert stop_token.choices[0].token_ids == base_ids[:base_ids.index(7042) + 1]
+    assert stop_token.choices[0].finish_reason == "stop"
+
+
+def test_n_choices(cluster, client, model):
+    seeded, greedy, single = gather(cluster, [
+        _chat_call(model, n=3, temperature=1.0, seed=5, max_tokens=8),
+        _completion_call(model, n=2, temperature=0),
+        _completion_call(model, temperature=0),
+    ])
+    assert [c.index for c in seeded.choices] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in seeded.choices}) == 3  # seed + i per choice
+    assert greedy.choices[0].text == greedy.choices[1].text == single.choices[0].text
+    assert greedy.usage.completion_tokens == 16 and greedy.usage.prompt_tokens == single.usage.prompt_tokens
+    stream = client.completions.create(model=model.name, prompt=STORY, max_tokens=8, n=2, temperature=0, stream=True)
+    texts = collections.defaultdict(str)
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert dict(texts) == {0: single.choices[0].text, 1: single.choices[0].text}
+
+
+# --- logprobs ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def hf_model(model):
+    return AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32).eval()
+
+
+def test_chat_logprobs_match_transformers(client, model, hf_model):
+    resp = chat(client, model, max_tokens=10, temperature=0, logprobs=True, top_logprobs=5,
+                extra_body={"return_token_ids": True})
+    content = resp.choices[0].logprobs.content
+    token_ids = resp.choices[0].token_ids
+    assert len(content) == len(token_ids) == resp.usage.completion_tokens
+    ids = torch.tensor([resp.prompt_token_ids + token_ids])
+    with torch.inference_mode():
+        reference = torch.log_softmax(hf_model(ids).logits[0].float(), dim=-1)
+    num_prompt = len(resp.prompt_token_ids)
+    for i, (entry, token_id) in enumerate(zip(content, token_ids)):
+        expected = float(reference[num_prompt - 1 + i, token_id])
+        assert abs(entry.logprob - expected) < 1e-4, (i, entry.logprob, expected)
+        tops = [t.logprob for t in entry.top_logprobs]
+        assert len(tops) == 5 and tops == sorted(tops, reverse=True) and all(lp <= 0 for lp in tops)
+        assert entry.top_logprobs[0].logprob == entry.logprob  # greedy picks the most likely token
+        assert bytes(entry.bytes).decode(errors="replace") == entry.token
+    text_bytes = b"".join(bytes(e.bytes) for e in content)
+    assert text_bytes.decode().startswith(resp.choices[0].message.content)
+
+
+def test_completion_logprobs_and_echo(cluster, model):
+    resp, echoed = gather(cluster, [_completion_call(model, logprobs=3, temperature=0),
+                                    _completion_call(model, echo=True, temperature=0)])
+    validate(resp.model_dump(mode="json", exclude_unset=True), "CreateCompletionResponse")
+    logprobs = resp.choices[0].logprobs
+    assert "".join(logprobs.tokens) == resp.choices[0].text
+    assert all(lp <= 0 for lp in logprobs.token_logprobs)
+    for token, lp, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert top[token] == lp and max(top.values()) == lp and len(top) == 3  # greedy: the top token
+    assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
+    assert echoed.choices[0].text == STORY + resp.choices[0].text
+
+
+# --- text: UTF-8, stop strings, usage -------------------------------------------------------------
+@pytest.mark.parametrize("messages", [EMOJIS, JAPANESE], ids=["emoji", "cjk"])
+def test_multi_byte_text_streams_byte_identical(cluster, model, messages):
+    async def stream(c):
+        chunks = await c.chat.completions.create(model=model.name, messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True)
+        return [chunk.choices[0].delta.content or "" async for chunk in chunks if chunk.choices]
+
+    full, pieces = gather(cluster, [_chat_call(model, messages=messages, max_tokens=10, temperature=0), stream])
+    text = full.choices[0].message.content
+    assert any(len(ch.encode()) > 2 for ch in text), text  # the model did write emoji / CJK
+    assert "".join(pieces).encode() == text.encode()
+    assert not any("\ufffd" in p for p in pieces[:-1])
+
+
+def test_stop_string_is_cut_and_the_request_aborted(cluster, client, model):
+    steps_before = wait_for_idle(cluster)["num_steps"]
+    # ignore_eos and 400 tokens: only the abort on the stop string ends this request early.
+    full = chat(client, model, temperature=0, max_tokens=400, stop=["Paris", "zzz"], extra_body={"ignore_eos": True})
+    assert full.choices[0].message.content == "The capital of France is "
+    assert full.choices[0].finish_reason == "stop"
+    stats = wait_for_idle(cluster)
+    assert stats["num_steps"] - steps_before < 100, stats  # aborted after a few steps, not 400
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    chunks = list(client.chat.completions.create(model=model.name, messages=CAPITAL, temperature=0, max_tokens=20,
+                                                 stop=" France", stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "The capital of"
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    kept = chat(client, model, temperature=0, max_tokens=20, stop=["Paris"],
+                extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].message.content == "The capital of France is Paris"
+    length = chat(client, model, temperature=0, max_tokens=3)
+    assert length.choices[0].finish_reason == "length" and length.usage.completion_tokens == 3
+
+
+def test_usage_everywhere_and_cached_tokens(client, model):
+    long_prompt = "The quick brown fox jumps over the lazy dog. " * 8  # several KV blocks
+    first = completion(client, model, prompt=long_prompt, max_tokens=2)
+    second = completion(client, model, prompt=long_prompt, max_tokens=2)
+    assert first.usage.total_tokens == first.usage.prompt_tokens + first.usage.completion_tokens
+    assert second.usage.prompt_tokens_details.cached_tokens >= 64  # whole blocks from the prefix cache
+    chunks = list(client.chat.completions.create(model=model.name, messages=CAPITAL, max_tokens=4, stream=True,
+                                                 stream_options={"include_usage": True}))
+    for chunk in chunks:
+        validate(chunk.model_dump(mode="json", exclude_unset=True), "CreateChatCompletionStreamResponse")
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+    assert all(c.usage is None for c in chunks[:-1])
+    no_usage = list(client.chat.completions.create(model=model.name, messages=CAPITAL, max_tokens=2, stream=True))
+    assert all(c.usage is None and c.choices for c in no_usage)
+
+
+# --- other endpoints and refusals ----------------------------------------------------------------
+def test_tokenize_detokenize_version_health(cluster, model):
+    status, tokens = post_json(cluster, "/tokenize", {"prompt": "Hello world"})
+    assert status == 200 and tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 2048
+    status, text = post_json(cluster, "/detokenize", {"tokens": tokens["tokens"]})
+    assert status == 200 and text["prompt"] == "Hello world"
+    status, chat_tokens = post_json(cluster, "/tokenize", {"model": model.name, "messages": CAPITAL})
+    assert status == 200 and chat_tokens["count"] > tokens["count"]
+    assert get_json(cluster, "/version")["version"]
+    assert get_json(cluster, "/health") == {"status": "ok"}
+
+
+def test_annotation_fields_are_accepted(client, model):
+    resp = chat(client, model, max_tokens=2, user="u-1", metadata={"team": "x"}, store=False)
+    assert resp.choices[0].finish_reason in ("length", "stop")
+
+
+DOC_CASES = doc_cases()
+
+
+@pytest.mark.parametrize("case", sorted(HTTP_CASES))
+def test_documented_bad_inputs(cluster, case):
+    path, body = HTTP_CASES[case]
+    status, payload = post_json(cluster, path, body)
+    expected = DOC_CASES[case]
+    assert str(status) == expected.status, payload
+    validate(payload, "ErrorResponse")
+    assert (payload["error"]["param"], payload["error"]["code"]) == (expected.param, expected.code)
+
+
+def test_server_still_serves_after_the_bad_inputs(cluster, client, model):
+    assert chat(client, model, max_tokens=2).usage.completion_tokens == 2
+    stats = wait_for_idle(cluster)
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def wait_for_idle(cluster, timeout_s: float = 30.0) -> dict:
+    """Polls /stats until nothing runs or waits (or the timeout passes) and returns the last stats."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = get_json(cluster, "/stats")
+        if (stats["num_running_reqs"] == 0 and stats["num_waiting_reqs"] == 0) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.1)
