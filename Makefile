@@ -13,7 +13,7 @@ IMAGE_PREFIX ?=
 IMAGE_TAG ?= 0.1.0
 DOCKER ?= docker
 
-.PHONY: install proto run test test-slow test-kernels-tsan gpu-check traces test-prometheus clean images lint-docker k8s-validate
+.PHONY: install proto run test test-slow test-kernels-tsan gpu-check traces test-prometheus bench clean images lint-docker k8s-validate
 
 install: $(STAMP) $(GEN_STAMP)
 
@@ -69,6 +69,13 @@ traces: $(PHOENIX_VENV)/.installed
 test-prometheus: install
 	command -v prometheus >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus)
 	$(PY) -m pytest -q -m slow tests/observability $(PYTEST_ARGS)
+
+# Benchmarks (not tests): Spindle and its peers on one workload in one run; tables, JSON and plots
+# under benchmarks/results/, figures in docs/benchmarks.md. BENCH_ARGS=--quick for a short run.
+BENCH_ARGS ?=
+bench: install
+	$(PIP) install -q -e '.[bench]'
+	$(PY) -m benchmarks.run $(BENCH_ARGS)
 
 # Container images (Docker or a compatible builder; none runs on the development machines).
 images:

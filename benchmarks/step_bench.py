@@ -1,6 +1,6 @@
 """Model-step benchmark, in one process and without gRPC: prefill and decode step times of the worker.
 
-    .venv/bin/python -m benchmarks.step_bench [--dtype float32] [--batch-sizes 1,8,32,64] [--repeats 3]
+    .venv/bin/python -m benchmarks.step_bench [--dtype float32] [--batch-sizes 1,8,32,64] [--repeats 3] [--out F]
 
 Prints a table and writes benchmarks/results/step_bench.json. Scheduling is done by the real
 Scheduler, so the steps are the ones the engine would run.
@@ -58,6 +58,7 @@ def main() -> None:
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--kv-cache-bytes", type=int, default=2 * 2**30)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "step_bench.json"))
     args = parser.parse_args()
     worker = make_worker(args.dtype, args.kv_cache_bytes)
     rows = []
@@ -67,7 +68,7 @@ def main() -> None:
         rows.append(row)
         print(f"batch {bs:4d}: prefill {row['prefill_ms']:8.1f} ms ({bs * args.prompt_len} tokens), "
               f"decode step {row['decode_step_ms']:7.1f} ms = {row['decode_tok_s']:7.1f} tok/s", flush=True)
-    out = Path(__file__).parent / "results" / "step_bench.json"
+    out = Path(args.out)
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"dtype": args.dtype, "rows": rows}, indent=2))
 
