@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -45,6 +46,7 @@ def run_batches(model, tokenizer, requests: list[dict], batch_size: int, time_li
     from transformers import LogitsProcessorList, StoppingCriteriaList
 
     t0 = time.perf_counter()
+    load_before = os.getloadavg()[0]
     deadline = None if time_limit_s is None else t0 + time_limit_s
     results: list[RequestResult] = []
     for start in range(0, len(requests), batch_size):
@@ -78,7 +80,7 @@ def run_batches(model, tokenizer, requests: list[dict], batch_size: int, time_li
     duration_s = time.perf_counter() - t0
     summary = summarize(results, duration_s, len(requests))
     summary.update(mode="concurrency", concurrency=batch_size, rate=None, time_limit_s=time_limit_s,
-                   is_truncated=any(r.cancelled for r in results))
+                   is_truncated=any(r.cancelled for r in results), loadavg_1m=[load_before, os.getloadavg()[0]])
     return {"summary": summary, "requests": [vars(r) | {"complete": r.complete} for r in results]}
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import random
 import statistics
 import time
@@ -127,6 +128,7 @@ async def run_scenario(target: Target, requests: list[ChatRequest], tokenizer, *
     timeout = aiohttp.ClientTimeout(total=None, sock_read=None)
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     results: list[RequestResult] = []
+    load_before = os.getloadavg()[0]
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         t0 = time.perf_counter()
 
@@ -169,7 +171,8 @@ async def run_scenario(target: Target, requests: list[ChatRequest], tokenizer, *
     results.sort(key=lambda r: r.index)
     summary = summarize(results, duration_s, len(requests))
     summary.update(mode="concurrency" if concurrency is not None else "rate",
-                   concurrency=concurrency, rate=rate, time_limit_s=time_limit_s, is_truncated=bool(pending))
+                   concurrency=concurrency, rate=rate, time_limit_s=time_limit_s, is_truncated=bool(pending),
+                   loadavg_1m=[load_before, os.getloadavg()[0]])
     return {"summary": summary, "requests": [_row(r) for r in results]}
 
 

@@ -28,7 +28,7 @@ def serving_rows(result: dict) -> list[list[str]]:
     rows = []
     for server in result["servers"]:
         if server.get("skip_reason"):
-            rows.append([server["name"], "-", *["-"] * 7, f"skipped: {server['skip_reason']}"])
+            rows.append([server["name"], "-", *["-"] * 8, f"skipped: {server['skip_reason']}"])
             continue
         for s in server["scenarios"]:
             note = server.get("note", "")
@@ -44,13 +44,14 @@ def serving_rows(result: dict) -> list[list[str]]:
                 f"{_fmt(s['e2e_ms']['p50'])} / {_fmt(s['e2e_ms']['p99'])}",
                 f"{s['num_complete']}/{s['num_planned']}",
                 str(s["num_failed"]),
+                "{:.1f}-{:.1f}".format(*s["loadavg_1m"]) if s.get("loadavg_1m") else "-",
                 note,
             ])
     return rows
 
 
-SERVING_HEADERS = ["server", "load", "req/s", "out tok/s", "TTFT p50/p99 ms", "ITL p50/p99 ms",
-                   "E2E p50/p99 ms", "complete", "failed", "note"]
+SERVING_HEADERS = ["server", "scenario", "req/s", "out tok/s", "TTFT p50/p99 ms", "ITL p50/p99 ms",
+                   "E2E p50/p99 ms", "complete", "failed", "load 1m", "note"]
 
 
 def overhead_rows(result: dict) -> list[list[str]]:

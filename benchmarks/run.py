@@ -137,6 +137,8 @@ def median_of_repeats(runs: list[dict]) -> dict:
     for key in ("num_complete", "num_failed", "num_cancelled", "num_planned"):
         merged[key] = min(s[key] for s in summaries) if key == "num_complete" else max(s[key] for s in summaries)
     merged["is_truncated"] = any(s["is_truncated"] for s in summaries)
+    if all(s.get("loadavg_1m") for s in summaries):  # the range over the repeats
+        merged["loadavg_1m"] = [min(s["loadavg_1m"][0] for s in summaries), max(s["loadavg_1m"][1] for s in summaries)]
     merged["num_repeats"] = len(runs)
     merged["repeats"] = summaries
     return merged
