@@ -9,11 +9,10 @@ from services.common.grpc_server import GrpcServer, install_stop_signals
 from services.common.logging_setup import setup_logging
 from services.common.metrics_server import MetricsServer, listen_host
 from services.common.telemetry import client_interceptors, server_interceptors, setup_tracing
-from services.common.pb import engine_core_pb2_grpc
 from services.scheduler.config import SchedulerServiceConfig, config_from_args
 from services.scheduler.engine_core import EngineCore
 from services.scheduler.metrics import scheduler_registry
-from services.scheduler.server import SERVICE_NAME, EngineCoreServicer
+from services.scheduler.server import SERVICE_NAME, add_engine_core_service
 from services.scheduler.tracing import SchedulerTracer
 from services.scheduler.worker_client import WorkerClient
 
@@ -29,7 +28,7 @@ async def serve(config: SchedulerServiceConfig) -> None:
 
     engine = EngineCore(config.scheduler, WorkerClient(config.worker_addr, client_interceptors(tracing)),
                         on_health_change, tracer=SchedulerTracer(tracing) if tracing is not None else None)
-    engine_core_pb2_grpc.add_EngineCoreServiceServicer_to_server(EngineCoreServicer(engine), server.server)
+    add_engine_core_service(server.server, engine)
     metrics_server = MetricsServer(scheduler_registry(engine), listen_host(config.scheduler_addr),
                                    config.telemetry.metrics_port)
     await metrics_server.start()

@@ -59,3 +59,7 @@ class EngineCoreServicer(engine_core_pb2_grpc.EngineCoreServiceServicer):
             scheduler_stats=codec.scheduler_stats_to_pb(self.engine.get_stats()),
             is_worker_alive=self.engine.is_worker_alive,
         )
+
+
+def add_engine_core_service(server: grpc.aio.Server, engine: EngineCore) -> None:
+    engine_core_pb2_grpc.add_EngineCoreServiceServicer_to_server(EngineCoreServicer(engine), server)
