@@ -181,10 +181,7 @@ def run_server(server: Server, requests, tokenizer, plan: list[dict], repeats: i
                     time.sleep(SETTLE_S)  # a server may finish cancelled requests before it notices
             summary = median_of_repeats(runs)
             out["scenarios"].append(summary)
-            out["latencies"][report.scenario_label(summary)] = {
-                "ttft_ms": [r["ttft_s"] * 1e3 for r in runs[-1]["requests"] if r["ttft_s"] is not None],
-                "e2e_ms": [r["e2e_s"] * 1e3 for r in runs[-1]["requests"] if r["complete"]],
-                "itl_ms": [x * 1e3 for r in runs[-1]["requests"] for x in r["itls_s"]]}
+            out["latencies"][report.scenario_label(summary)] = latency_lists(runs[-1])
             log(f"{server.name} {report.scenario_label(summary)}: {summary['output_throughput']:.1f} out tok/s, "
                 f"TTFT p50 {summary['ttft_ms']['p50'] or 0:.0f} ms, {summary['num_complete']}/"
                 f"{summary['num_planned']} complete{', cut by the time limit' if summary['is_truncated'] else ''}")
@@ -192,6 +189,16 @@ def run_server(server: Server, requests, tokenizer, plan: list[dict], repeats: i
         server.stop()
     out["info"] = server.info
     return out
+
+
+def latency_lists(run: dict) -> dict[str, list[float]]:
+    """The last repeat's raw latencies in ms, for the CDF plots."""
+    requests = run["requests"]
+    return {
+        "ttft_ms": [r["ttft_s"] * 1e3 for r in requests if r["ttft_s"] is not None],
+        "e2e_ms": [r["e2e_s"] * 1e3 for r in requests if r["complete"]],
+        "itl_ms": [x * 1e3 for r in requests for x in r["itls_s"]],
+    }
 
 
 def run_hf_generate(server: Server, requests, plan: list[dict], repeats: int, time_limit_s: float,
@@ -219,10 +226,7 @@ def run_hf_generate(server: Server, requests, plan: list[dict], repeats: int, ti
     for runs in runs_by_level:
         summary = median_of_repeats(runs)
         out["scenarios"].append(summary)
-        out["latencies"][report.scenario_label(summary)] = {
-            "ttft_ms": [r["ttft_s"] * 1e3 for r in runs[-1]["requests"] if r["ttft_s"] is not None],
-            "e2e_ms": [r["e2e_s"] * 1e3 for r in runs[-1]["requests"] if r["complete"]],
-            "itl_ms": [x * 1e3 for r in runs[-1]["requests"] for x in r["itls_s"]]}
+        out["latencies"][report.scenario_label(summary)] = latency_lists(runs[-1])
         log(f"hf-generate {report.scenario_label(summary)}: {summary['output_throughput']:.1f} out tok/s")
     return out
 

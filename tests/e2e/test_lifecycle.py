@@ -73,6 +73,13 @@ def _start_long_stream(cluster, results: dict) -> threading.Event:
     return first_chunk
 
 
+def _assert_new_requests_refused(cluster) -> None:
+    with pytest.raises(openai.APIStatusError) as refused:
+        _client(cluster).chat.completions.create(model=resolve_model(None, None).name,
+                                                 messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert refused.value.status_code == 503
+
+
 def _wait_done(results: dict, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while "text" not in results and "error" not in results:
@@ -87,10 +94,7 @@ def test_frontend_sigterm_drains_in_flight_and_refuses_new(cluster):
     time.sleep(0.5)
     assert _health_status(cluster) == 503
     assert not _grpc_serving(cluster.frontend_grpc_addr)
-    with pytest.raises(openai.APIStatusError) as refused:
-        _client(cluster).chat.completions.create(model=resolve_model(None, None).name,
-                                                 messages=[{"role": "user", "content": "hi"}], max_tokens=2)
-    assert refused.value.status_code == 503
+    _assert_new_requests_refused(cluster)
     _wait_done(results)
     assert "error" not in results, results
     assert results["finish_reason"] == "length" and results["completion_tokens"] == LONG_MAX_TOKENS
@@ -103,10 +107,7 @@ def test_scheduler_sigterm_drains_in_flight_and_refuses_new(cluster):
     cluster.procs["scheduler"].send_signal(signal.SIGTERM)
     time.sleep(0.5)
     assert not _grpc_serving(cluster.scheduler_addr)
-    with pytest.raises(openai.APIStatusError) as refused:
-        _client(cluster).chat.completions.create(model=resolve_model(None, None).name,
-                                                 messages=[{"role": "user", "content": "hi"}], max_tokens=2)
-    assert refused.value.status_code == 503
+    _assert_new_requests_refused(cluster)
     _wait_done(results)
     assert "error" not in results, results
     assert results["completion_tokens"] == LONG_MAX_TOKENS
@@ -124,10 +125,7 @@ def test_lost_worker_fails_requests_clearly_and_the_engine_recovers(cluster):
     while _health_status(cluster) != 503:
         assert time.monotonic() < deadline, "health did not turn NOT_SERVING"
         time.sleep(0.2)
-    with pytest.raises(openai.APIStatusError) as refused:
-        _client(cluster).chat.completions.create(model=resolve_model(None, None).name,
-                                                 messages=[{"role": "user", "content": "hi"}], max_tokens=2)
-    assert refused.value.status_code == 503
+    _assert_new_requests_refused(cluster)
 
     cluster.start_service("worker")
     cluster.wait_healthy(timeout_s=120)
