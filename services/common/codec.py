@@ -1,8 +1,14 @@
 """Converts protobuf messages to the plain dataclasses of `messages` and back.
 
 The only module, besides the gRPC servers and clients, that touches generated code.
+
+Per-step messages (SchedulerOutput, ModelRunnerOutput, EngineCoreOutputs) travel in columns:
+per-request lists are flattened into one packed field plus a count per request, because a
+sub-message per request per step costs far more to build and parse than the data in it.
 """
 from __future__ import annotations
+
+from itertools import accumulate, chain
 
 from services.common import messages as m
 from services.common.pb import engine_core_pb2 as ec_pb
@@ -145,8 +151,22 @@ def engine_core_output_from_pb(msg: ec_pb.EngineCoreOutput) -> m.EngineCoreOutpu
 
 
 def engine_core_outputs_to_pb(o: m.EngineCoreOutputs) -> ec_pb.EngineCoreOutputs:
+    # Plain outputs carry only new tokens and fit the columns; the rest travel in full.
+    plain = [x for x in o.outputs if not (x.finish_reason or x.events or x.new_logprobs or x.error_message
+                                          or x.stop_reason is not None)]
+    if len(plain) < len(o.outputs):
+        plain_ids = set(map(id, plain))
+        full = [x for x in o.outputs if id(x) not in plain_ids]
+    else:
+        full = []
+    token_ids = [x.new_token_ids for x in plain]
     msg = ec_pb.EngineCoreOutputs(
-        outputs=[engine_core_output_to_pb(x) for x in o.outputs], timestamp=o.timestamp
+        outputs=[engine_core_output_to_pb(x) for x in full],
+        timestamp=o.timestamp,
+        request_ids=[x.request_id for x in plain],
+        num_new_token_ids=list(map(len, token_ids)),
+        num_cached_tokens=[x.num_cached_tokens for x in plain],
+        new_token_ids=list(chain.from_iterable(token_ids)),
     )
     if o.scheduler_stats is not None:
         msg.scheduler_stats.CopyFrom(scheduler_stats_to_pb(o.scheduler_stats))
@@ -154,11 +174,31 @@ def engine_core_outputs_to_pb(o: m.EngineCoreOutputs) -> ec_pb.EngineCoreOutputs
 
 
 def engine_core_outputs_from_pb(msg: ec_pb.EngineCoreOutputs) -> m.EngineCoreOutputs:
+    outputs = [engine_core_output_from_pb(x) for x in msg.outputs]
+    if msg.request_ids:
+        none = m.FinishReason.NONE
+        token_ids = _split(list(msg.new_token_ids), list(msg.num_new_token_ids))
+        output = m.EngineCoreOutput
+        outputs += [output(r, t, [], none, None, c, []) for r, t, c in
+                    zip(msg.request_ids, token_ids, msg.num_cached_tokens)]
     return m.EngineCoreOutputs(
-        outputs=[engine_core_output_from_pb(x) for x in msg.outputs],
+        outputs=outputs,
         scheduler_stats=scheduler_stats_from_pb(msg.scheduler_stats) if msg.HasField("scheduler_stats") else None,
         timestamp=msg.timestamp,
     )
+
+
+def _split(flat: list[int], counts: list[int]) -> list[list[int]]:
+    """Cuts a concatenated column back into one list per entry (`counts[i]` items each)."""
+    if len(flat) == len(counts) and counts.count(1) == len(counts):
+        return [[x] for x in flat]  # the decode step: one token each
+    return [flat[end - n:end] for n, end in zip(counts, accumulate(counts))]
+
+
+def _counts(lists: list[list[int]]) -> list[int]:
+    """One count per list, or none when every list is empty (the column is then omitted)."""
+    counts = list(map(len, lists))
+    return counts if any(counts) else []
 
 
 def engine_info_to_pb(info: m.EngineInfo) -> ec_pb.GetEngineInfoResponse:
@@ -180,6 +220,12 @@ def engine_info_from_pb(msg: ec_pb.GetEngineInfoResponse) -> m.EngineInfo:
 # --- scheduler <-> worker ------------------------------------------------------------------------
 def scheduler_output_to_pb(s: m.SchedulerOutput) -> w_pb.SchedulerOutput:
     c = s.scheduled_cached_reqs
+    new_reqs = s.scheduled_new_reqs
+    # Batch order, as the scheduler built it: new requests, then cached ones.
+    order = [r.req_id for r in new_reqs] + c.req_ids
+    counts = s.num_scheduled_tokens
+    is_resumed = c.resumed_from_preemption
+    resumed = [t for t, r in zip(c.resumed_token_ids, is_resumed) if r] if any(is_resumed) else []
     return w_pb.SchedulerOutput(
         scheduled_new_reqs=[
             w_pb.NewRequestData(
@@ -190,16 +236,18 @@ def scheduler_output_to_pb(s: m.SchedulerOutput) -> w_pb.SchedulerOutput:
                 num_computed_tokens=r.num_computed_tokens,
                 traceparent=r.traceparent,
             )
-            for r in s.scheduled_new_reqs
+            for r in new_reqs
         ],
         scheduled_cached_reqs=w_pb.CachedRequestData(
             req_ids=c.req_ids,
-            resumed_from_preemption=c.resumed_from_preemption,
-            new_block_ids=[w_pb.BlockIds(block_ids=b) for b in c.new_block_ids],
+            resumed_from_preemption=is_resumed,
             num_computed_tokens=c.num_computed_tokens,
-            resumed_token_ids=[ec_pb.TokenIds(token_ids=t) for t in c.resumed_token_ids],
+            new_block_ids=list(chain.from_iterable(c.new_block_ids)),
+            num_new_block_ids=_counts(c.new_block_ids),
+            resumed_token_ids=list(chain.from_iterable(resumed)),
+            num_resumed_token_ids=list(map(len, resumed)),
         ),
-        num_scheduled_tokens=s.num_scheduled_tokens,
+        num_scheduled_tokens=[counts.get(req_id, 0) for req_id in order],
         total_num_scheduled_tokens=s.total_num_scheduled_tokens,
         finished_req_ids=sorted(s.finished_req_ids),
         preempted_req_ids=sorted(s.preempted_req_ids),
@@ -209,28 +257,41 @@ def scheduler_output_to_pb(s: m.SchedulerOutput) -> w_pb.SchedulerOutput:
 
 def scheduler_output_from_pb(msg: w_pb.SchedulerOutput) -> m.SchedulerOutput:
     c = msg.scheduled_cached_reqs
+    new_reqs = [
+        m.NewRequestData(
+            req_id=r.req_id,
+            prompt_token_ids=list(r.prompt_token_ids),
+            sampling_params=sampling_params_from_pb(r.sampling_params),
+            block_ids=list(r.block_ids),
+            num_computed_tokens=r.num_computed_tokens,
+            traceparent=r.traceparent,
+        )
+        for r in msg.scheduled_new_reqs
+    ]
+    req_ids = list(c.req_ids)
+    num_reqs = len(req_ids)
+    is_resumed = list(c.resumed_from_preemption)
+    if c.num_new_block_ids:
+        new_block_ids = _split(list(c.new_block_ids), list(c.num_new_block_ids))
+    else:
+        new_block_ids = [[] for _ in range(num_reqs)]
+    resumed_token_ids: list[list[int]] = [[] for _ in range(num_reqs)]
+    if c.num_resumed_token_ids:
+        tokens = iter(_split(list(c.resumed_token_ids), list(c.num_resumed_token_ids)))
+        for i in (i for i, r in enumerate(is_resumed) if r):
+            resumed_token_ids[i] = next(tokens)
+    order = [r.req_id for r in new_reqs] + req_ids
     return m.SchedulerOutput(
-        scheduled_new_reqs=[
-            m.NewRequestData(
-                req_id=r.req_id,
-                prompt_token_ids=list(r.prompt_token_ids),
-                sampling_params=sampling_params_from_pb(r.sampling_params),
-                block_ids=list(r.block_ids),
-                num_computed_tokens=r.num_computed_tokens,
-                traceparent=r.traceparent,
-            )
-            for r in msg.scheduled_new_reqs
-        ],
+        scheduled_new_reqs=new_reqs,
         scheduled_cached_reqs=m.CachedRequestData(
-            req_ids=list(c.req_ids),
-            resumed_from_preemption=list(c.resumed_from_preemption),
-            new_block_ids=[list(b.block_ids) for b in c.new_block_ids],
+            req_ids=req_ids,
+            resumed_from_preemption=is_resumed,
+            new_block_ids=new_block_ids,
             num_computed_tokens=list(c.num_computed_tokens),
-            resumed_token_ids=[list(t.token_ids) for t in c.resumed_token_ids],
+            resumed_token_ids=resumed_token_ids,
         ),
-        # protobuf maps do not keep insertion order; the batch order is new requests, then cached
-        # requests, as the scheduler built them.
-        num_scheduled_tokens=_ordered_num_scheduled_tokens(msg),
+        # Key order is the batch order; requests given no tokens were not in the decision.
+        num_scheduled_tokens={r: n for r, n in zip(order, msg.num_scheduled_tokens) if n},
         total_num_scheduled_tokens=msg.total_num_scheduled_tokens,
         finished_req_ids=set(msg.finished_req_ids),
         preempted_req_ids=set(msg.preempted_req_ids),
@@ -238,29 +299,40 @@ def scheduler_output_from_pb(msg: w_pb.SchedulerOutput) -> m.SchedulerOutput:
     )
 
 
-def _ordered_num_scheduled_tokens(msg: w_pb.SchedulerOutput) -> dict[str, int]:
-    counts = msg.num_scheduled_tokens
-    order = [r.req_id for r in msg.scheduled_new_reqs] + list(msg.scheduled_cached_reqs.req_ids)
-    return {req_id: counts[req_id] for req_id in order if req_id in counts}
-
-
 def model_runner_output_to_pb(o: m.ModelRunnerOutput) -> w_pb.ModelRunnerOutput:
-    return w_pb.ModelRunnerOutput(
+    sampled = o.sampled_token_ids
+    counts = list(map(len, sampled))
+    msg = w_pb.ModelRunnerOutput(
         req_ids=o.req_ids,
-        sampled_token_ids=[ec_pb.TokenIds(token_ids=t) for t in o.sampled_token_ids],
-        logprobs=[token_logprobs_to_pb(lp) for lp in o.logprobs],
+        sampled_token_ids=list(chain.from_iterable(sampled)),
+        num_sampled_token_ids=[] if counts.count(1) == len(counts) else counts,
         prepare_ns=o.prepare_ns,
         forward_ns=o.forward_ns,
         sample_ns=o.sample_ns,
         step_id=o.step_id,
     )
+    logprobs = o.logprobs
+    if logprobs.count(None) != len(logprobs):
+        indices = [i for i, lp in enumerate(logprobs) if lp is not None]
+        msg.logprobs_req_indices.extend(indices)
+        msg.logprobs.extend([token_logprobs_to_pb(logprobs[i]) for i in indices])
+    return msg
 
 
 def model_runner_output_from_pb(msg: w_pb.ModelRunnerOutput) -> m.ModelRunnerOutput:
+    req_ids = list(msg.req_ids)
+    token_ids = list(msg.sampled_token_ids)
+    if msg.num_sampled_token_ids:
+        sampled = _split(token_ids, list(msg.num_sampled_token_ids))
+    else:
+        sampled = [[t] for t in token_ids]
+    logprobs: list[m.TokenLogprobs | None] = [None] * len(req_ids)
+    for i, lp in zip(msg.logprobs_req_indices, msg.logprobs):
+        logprobs[i] = token_logprobs_from_pb(lp)
     return m.ModelRunnerOutput(
-        req_ids=list(msg.req_ids),
-        sampled_token_ids=[list(t.token_ids) for t in msg.sampled_token_ids],
-        logprobs=[token_logprobs_from_pb(lp) for lp in msg.logprobs],
+        req_ids=req_ids,
+        sampled_token_ids=sampled,
+        logprobs=logprobs,
         prepare_ns=msg.prepare_ns,
         forward_ns=msg.forward_ns,
         sample_ns=msg.sample_ns,

@@ -76,13 +76,13 @@ class EngineCoreRequest:
     tracestate: str = ""
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestEvent:
     type: RequestEventType
     timestamp: float
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenLogprobs:
     """Logprob and rank of one sampled token, plus the top alternatives as (token_id, logprob)."""
 
@@ -91,7 +91,7 @@ class TokenLogprobs:
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True)  # built per request per step: slots make that cheaper
 class EngineCoreOutput:
     """What one request produced in one engine step."""
 

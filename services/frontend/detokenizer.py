@@ -58,6 +58,10 @@ class IncrementalDetokenizer:
         self.stop_str: str | None = None
 
     @property
+    def has_stop_strings(self) -> bool:
+        return bool(self._stop)
+
+    @property
     def is_stopped(self) -> bool:
         return self.stop_str is not None
 

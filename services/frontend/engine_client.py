@@ -1,12 +1,15 @@
 """The frontend's connection to the engine core: one long-lived bidirectional stream.
 
 Requests and aborts go out on the stream; one EngineCoreOutputs per engine step comes back and is
-dispatched to per-request queues. When the scheduler goes away, every in-flight request fails with
+dispatched to per-request queues. A request that only wants its final output (non-streaming, no stop
+strings) is not woken every step: its outputs are held here and handed over merged when it finishes,
+so a step costs such a request one list append instead of a task wake-up. When the scheduler goes away, every in-flight request fails with
 an "unavailable" error and the client reconnects with back-off.
 """
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from typing import Any, AsyncIterator, Sequence
 
@@ -44,6 +47,8 @@ class EngineClient:
         self._stub = engine_core_pb2_grpc.EngineCoreServiceStub(self._channel)
         self._call = None
         self._queues: dict[str, asyncio.Queue[EngineCoreOutput]] = {}
+        # Outputs held for final-only requests until they finish.
+        self._held: dict[str, list[EngineCoreOutput]] = {}
         self._connected = asyncio.Event()
         # grpc.aio allows one write in flight per call; concurrent requests take turns.
         self._write_lock = asyncio.Lock()
@@ -70,14 +75,20 @@ class EngineClient:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._channel.close()
 
-    async def generate(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
-        """Yields the request's outputs until one finishes it; leaving early aborts the request."""
+    async def generate(self, request: EngineCoreRequest, final_only: bool = False
+                       ) -> AsyncIterator[EngineCoreOutput]:
+        """Yields the request's outputs until one finishes it; leaving early aborts the request.
+
+        With `final_only` the outputs come merged into one, when the request finishes.
+        """
         if not self.is_ready:
             raise EngineError("the engine is not ready", "unavailable")
         if request.request_id in self._queues:
             raise EngineError(f"duplicate request id {request.request_id!r}", "invalid_argument")
         queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
         self._queues[request.request_id] = queue
+        if final_only:
+            self._held[request.request_id] = []
         finished = False
         try:
             await self._write(engine_core_pb2.ConnectRequest(add_request=codec.engine_core_request_to_pb(request)))
@@ -92,6 +103,7 @@ class EngineClient:
                     return
         finally:
             self._queues.pop(request.request_id, None)
+            self._held.pop(request.request_id, None)
             if not finished:
                 await self._abort_quietly(request.request_id)
 
@@ -128,6 +140,11 @@ class EngineClient:
                 self.info = codec.engine_info_from_pb(info)
                 self._is_worker_alive = True
                 self._call = self._stub.Connect()
+                if not self._connected.is_set() and gc.get_freeze_count() == 0:
+                    # Start-up objects (tokenizer, libraries) live for good: out of the full GC passes,
+                    # which would otherwise stall output dispatch for tens of ms now and then.
+                    gc.collect()
+                    gc.freeze()
                 self._connected.set()
                 logger.info("connected to scheduler %s (model %s)", self.scheduler_addr, self.info.model_name)
                 backoff_s = 0.2
@@ -147,12 +164,21 @@ class EngineClient:
             self.last_stats = outputs.scheduler_stats
         if self.observer is not None:
             self.observer.on_step(outputs)
+        queues, held = self._queues, self._held
         for output in outputs.outputs:
-            queue = self._queues.get(output.request_id)
+            request_id = output.request_id
+            if request_id in held:
+                pending = held[request_id]
+                pending.append(output)
+                if not output.finished:
+                    continue
+                output = merge_outputs(pending)
+            queue = queues.get(request_id)
             if queue is not None:
                 queue.put_nowait(output)
 
     def _fail_all(self, message: str) -> None:
+        self._held.clear()
         for request_id, queue in list(self._queues.items()):
             queue.put_nowait(EngineCoreOutput(request_id, [], finish_reason=FinishReason.ERROR,
                                               error_message=message, error_code="unavailable"))
@@ -164,3 +190,21 @@ class EngineClient:
                 self.last_stats, self._is_worker_alive = await self.get_stats()
             except grpc.aio.AioRpcError:
                 self._is_worker_alive = False
+
+
+def merge_outputs(outputs: list[EngineCoreOutput]) -> EngineCoreOutput:
+    """Several steps' outputs of one request as one (the last one's finish, everything's tokens)."""
+    if len(outputs) == 1:
+        return outputs[0]
+    last = outputs[-1]
+    return EngineCoreOutput(
+        last.request_id,
+        [t for o in outputs for t in o.new_token_ids],
+        [lp for o in outputs for lp in o.new_logprobs],
+        last.finish_reason,
+        last.stop_reason,
+        max(o.num_cached_tokens for o in outputs),
+        [e for o in outputs for e in o.events],
+        last.error_message,
+        last.error_code,
+    )

@@ -129,6 +129,8 @@ class FrontendMetrics:
         now = time.time()
         step_s = outputs.timestamp or now
         num_prompt_tokens = num_generation_tokens = 0  # counters move once per step, not per request
+        # Inter-token latencies of one step mostly share one value (same previous step): observed per value.
+        itl_counts: dict[float, int] = {}
         for output in outputs.outputs:
             times = self._inflight.get(output.request_id)
             if times is None:
@@ -147,11 +149,14 @@ class FrontendMetrics:
                 self.ttft.observe(now - times.arrival_s)
                 num_prompt_tokens += times.num_prompt_tokens
             else:
-                self.itl.observe(now - times.last_token_s)
+                itl_s = now - times.last_token_s
+                itl_counts[itl_s] = itl_counts.get(itl_s, 0) + 1
             times.last_token_s = now
             times.last_token_engine_s = step_s
             times.num_generation_tokens += num_new
             num_generation_tokens += num_new
+        for itl_s, count in itl_counts.items():
+            observe_many(self.itl, itl_s, count)
         if num_prompt_tokens:
             self.prompt_tokens.inc(num_prompt_tokens)
         if num_generation_tokens:
@@ -182,3 +187,17 @@ class FrontendMetrics:
     @property
     def num_inflight(self) -> int:
         return len(self._inflight)
+
+
+def observe_many(histogram: Any, value: float, count: int) -> None:
+    """`count` observations of one value with one bucket update (prometheus_client has no weighted observe)."""
+    buckets, bounds, total = (getattr(histogram, name, None) for name in ("_buckets", "_upper_bounds", "_sum"))
+    if buckets is None or bounds is None or total is None:  # another client version: one by one
+        for _ in range(count):
+            histogram.observe(value)
+        return
+    total.inc(value * count)
+    for bucket, bound in zip(buckets, bounds):
+        if value <= bound:
+            bucket.inc(count)
+            break

@@ -44,7 +44,7 @@ class OpenAIServingChat(OpenAIServing):
     async def _full_response(self, request: ChatCompletionRequest, request_id: str, choices: list[Choice]) -> dict:
         texts: list[list[str]] = [[] for _ in choices]
         logprobs: list[list[dict]] = [[] for _ in choices]
-        async with aclosing(self.generate_choices(choices)) as deltas:
+        async with aclosing(self.generate_choices(choices, final_only=True)) as deltas:
             async for index, delta in deltas:
                 texts[index].append(delta.text)
                 part = self._logprobs(request, delta)

@@ -68,7 +68,7 @@ class OpenAIServingCompletion(OpenAIServing):
         texts: list[list[str]] = [[echo] for _ in choices]
         logprobs = self._logprobs(request, len(choices))
         parts: list[list[dict]] = [[] for _ in choices]
-        async with aclosing(self.generate_choices(choices)) as deltas:
+        async with aclosing(self.generate_choices(choices, final_only=True)) as deltas:
             async for index, delta in deltas:
                 texts[index].append(delta.text)
                 if logprobs is not None:

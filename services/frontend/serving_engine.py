@@ -190,12 +190,16 @@ class OpenAIServing:
             ]
         return [Choice(r, self.make_detokenizer(prompt_token_ids, options)) for r in requests]
 
-    async def generate_choices(self, choices: list[Choice]) -> AsyncIterator[tuple[int, TextDelta]]:
+    async def generate_choices(self, choices: list[Choice], final_only: bool = False
+                               ) -> AsyncIterator[tuple[int, TextDelta]]:
         """Runs every choice at once; yields (choice index, delta) and records finish reasons and cache hits.
 
         The first failing choice fails them all; leaving early aborts every unfinished one.
+        `final_only` (a full, non-streamed response) lets a choice without stop strings get its
+        tokens in one delta at the end instead of one per engine step.
         """
-        streams = [self.generate(c.engine_request, c.detokenizer) for c in choices]
+        streams = [self.generate(c.engine_request, c.detokenizer,
+                                 final_only=final_only and not c.detokenizer.has_stop_strings) for c in choices]
         # Observability hook: GenAI span, trace context and request metrics (services/frontend/observability.py).
         async with aclosing(observe_choices(self.engine_client, choices, merge_streams(streams))) as deltas:
             async for index, delta in deltas:
@@ -214,14 +218,14 @@ class OpenAIServing:
         )
 
     async def generate(
-        self, request: EngineCoreRequest, detokenizer: IncrementalDetokenizer
+        self, request: EngineCoreRequest, detokenizer: IncrementalDetokenizer, final_only: bool = False
     ) -> AsyncIterator[TextDelta]:
         """Runs one request; yields text deltas, the last one with its finish reason.
 
         Raises EngineError if the engine refuses or fails the request. Use it under
         `contextlib.aclosing` so that leaving early aborts the request in the engine.
         """
-        outputs = self.engine_client.generate(request)
+        outputs = self.engine_client.generate(request, final_only=final_only)
         wants_logprobs = request.sampling_params.logprobs is not None
         num_cached_tokens = 0
         is_finished = False

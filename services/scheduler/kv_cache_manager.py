@@ -106,6 +106,10 @@ class KVCacheManager:
         Returns None (and changes nothing) when the free blocks do not suffice.
         `computed_blocks` are prefix-cache hits, passed only when the request is first scheduled.
         """
+        if not computed_blocks:  # the decode step: usually the held blocks have room already
+            held = self.req_to_blocks.get(request.request_id)
+            if held is not None and -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) <= len(held):
+                return []
         computed_blocks = computed_blocks or []
         held = self.req_to_blocks.get(request.request_id, [])
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
@@ -128,10 +132,12 @@ class KVCacheManager:
         """Registers the request's newly full blocks (up to `num_computed_tokens`) in the prefix cache."""
         if not self.enable_caching:
             return
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        if num_computed_tokens // self.block_size <= start:
+            return  # no block filled up since the last call (most steps)
         self.update_block_hashes(request)
         blocks = self.req_to_blocks.get(request.request_id, [])
         num_full = min(num_computed_tokens // self.block_size, len(request.block_hashes), len(blocks))
-        start = self.num_cached_blocks.get(request.request_id, 0)
         for i in range(start, num_full):
             self.block_pool.cache_full_block(blocks[i], request.block_hashes[i])
         self.num_cached_blocks[request.request_id] = max(start, num_full)

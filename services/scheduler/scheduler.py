@@ -60,6 +60,7 @@ class Scheduler:
         limit = self.config.max_num_waiting_requests
         if limit and len(self.waiting) >= limit:
             raise RequestRejected(f"the waiting queue is full ({limit} requests)", code="resource_exhausted")
+        request.max_num_tokens = min(request.max_num_tokens, self.max_model_len)
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -99,15 +100,16 @@ class Scheduler:
         preempted: list[Request] = []
 
         # Running requests first, in order.
+        allocate_slots = self.kv_cache_manager.allocate_slots
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(len(request.all_token_ids) - request.num_computed_tokens, budget)
             if num_new <= 0:
                 i += 1
                 continue
             while True:
-                block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+                block_ids = allocate_slots(request, num_new)
                 if block_ids is not None:
                     break
                 victim = self._pick_victim()
@@ -162,8 +164,10 @@ class Scheduler:
 
         output = self._build_output(scheduled_new, scheduled_resumed, scheduled_running, num_scheduled,
                                     new_block_ids, preempted)
-        for req_id, n in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += n
+        for request in scheduled_running:
+            request.num_computed_tokens += num_scheduled[request.request_id]
+        for request in scheduled_new + scheduled_resumed:
+            request.num_computed_tokens += num_scheduled[request.request_id]
         self.finished_req_ids = set()
         self.num_steps += 1
         return output
@@ -172,33 +176,36 @@ class Scheduler:
                            ) -> list[EngineCoreOutput]:
         """Appends sampled tokens, applies the finishing rules, frees finished requests' blocks."""
         outputs = []
+        requests = self.requests
+        cache_blocks = self.kv_cache_manager.cache_blocks
+        running, finished = RequestStatus.RUNNING, RequestStatus.FINISHED
         logprobs = runner_output.logprobs or [None] * len(runner_output.req_ids)
         for req_id, token_ids, lp in zip(runner_output.req_ids, runner_output.sampled_token_ids, logprobs):
-            request = self.requests.get(req_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            request = requests.get(req_id)
+            if request is None or request.status != running:
                 continue  # aborted or preempted while the step ran
-            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
-            new_token_ids: list[int] = []
-            for token_id in token_ids:
-                request.append_output_token_ids([token_id])
-                new_token_ids.append(token_id)
+            cache_blocks(request, request.num_computed_tokens)
+            all_token_ids = request.all_token_ids
+            new_token_ids = token_ids
+            for i, token_id in enumerate(token_ids):
+                all_token_ids.append(token_id)
+                # Only a stop token or a length limit can end a request; the full check runs only then.
+                if token_id not in request.stop_check_token_ids and len(all_token_ids) < request.max_num_tokens:
+                    continue
                 reason, stop_token = check_stop(request, self.max_model_len)
                 if reason != FinishReason.NONE:
+                    new_token_ids = token_ids[: i + 1]
                     request.stop_reason = stop_token
                     self.running.remove(request)
                     self._finish(request, reason)
                     break
-            events = request.take_events()
-            if new_token_ids or events or request.is_finished:
+            events = request.events
+            if events:
+                request.events = []
+            if new_token_ids or events or request.status == finished:
                 outputs.append(EngineCoreOutput(
-                    request_id=req_id,
-                    new_token_ids=new_token_ids,
-                    new_logprobs=[lp] if (lp is not None and new_token_ids) else [],
-                    finish_reason=request.finish_reason,
-                    stop_reason=request.stop_reason,
-                    num_cached_tokens=max(request.num_cached_tokens, 0),
-                    events=events,
-                ))
+                    req_id, new_token_ids, [lp] if (lp is not None and new_token_ids) else [],
+                    request.finish_reason, request.stop_reason, max(request.num_cached_tokens, 0), events))
         return outputs
 
     def get_stats(self) -> SchedulerStats:
@@ -240,14 +247,14 @@ class Scheduler:
     def _build_output(self, new: list[Request], resumed: list[Request], running: list[Request],
                       num_scheduled: dict[str, int], new_block_ids: dict[str, list[int]],
                       preempted: list[Request]) -> SchedulerOutput:
-        cached = CachedRequestData()
-        for request in resumed + running:
-            is_resumed = request in resumed
-            cached.req_ids.append(request.request_id)
-            cached.resumed_from_preemption.append(is_resumed)
-            cached.new_block_ids.append(new_block_ids[request.request_id])
-            cached.num_computed_tokens.append(request.num_computed_tokens)
-            cached.resumed_token_ids.append(list(request.all_token_ids) if is_resumed else [])
+        cached_reqs = resumed + running
+        cached = CachedRequestData(
+            req_ids=[r.request_id for r in cached_reqs],
+            resumed_from_preemption=[True] * len(resumed) + [False] * len(running),
+            new_block_ids=[new_block_ids[r.request_id] for r in cached_reqs],
+            num_computed_tokens=[r.num_computed_tokens for r in cached_reqs],
+            resumed_token_ids=[list(r.all_token_ids) for r in resumed] + [[] for _ in running],
+        )
         new_data = [
             NewRequestData(r.request_id, list(r.prompt_token_ids), r.sampling_params,
                            new_block_ids[r.request_id], r.num_computed_tokens, r.traceparent)

@@ -84,9 +84,12 @@ class FakeEngineClient:
         self.num_cached_tokens = num_cached_tokens
         self.requests: list[EngineCoreRequest] = []
         self.aborted: list[str] = []
+        self.final_only: list[bool] = []  # per request: whether merged outputs were asked for
 
-    async def generate(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
+    async def generate(self, request: EngineCoreRequest, final_only: bool = False
+                       ) -> AsyncIterator[EngineCoreOutput]:
         self.requests.append(request)
+        self.final_only.append(final_only)
         if self.refuse is not None:
             raise self.refuse
         eos = request.eos_token_ids[0] if request.eos_token_ids else None

@@ -203,3 +203,16 @@ def test_models_health_and_version():
     assert model["max_model_len"] == 100  # the frontend's lower limit wins over the engine's 256
     assert health == 200 and unhealthy == 503
     assert version["version"]
+
+
+def test_full_responses_ask_for_merged_outputs_unless_they_have_stop_strings():
+    engine = FakeEngineClient(make_tokenizer(), "Hello world.")
+
+    async def scenario():
+        async with app_client(engine) as client:
+            for body in ({"prompt": "Hi"}, {"prompt": "Hi", "stream": True}, {"prompt": "Hi", "stop": ["x"]}):
+                resp = await client.post("/v1/completions", json={**body})
+                assert resp.status == 200, await resp.text()
+
+    asyncio.run(scenario())
+    assert engine.final_only == [True, False, False]
