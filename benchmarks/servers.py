@@ -49,12 +49,15 @@ class SpindleServer(Server):
     def start(self, timeout_s: float = 600) -> Target:
         log_dir = LOG_DIR / self.name
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.cluster = SpindleCluster(log_dir, env={"SPINDLE_LOG_LEVEL": "WARNING", **self.env}).start(timeout_s)
+        # The test cluster pins the worker to one torch thread; a benchmark gives it every core, as
+        # the peers get (torch's default), unless the caller says otherwise.
+        env = {"SPINDLE_LOG_LEVEL": "WARNING", "SPINDLE_NUM_THREADS": str(os.cpu_count() or 1), **self.env}
+        self.cluster = SpindleCluster(log_dir, env=env).start(timeout_s)
         with urllib.request.urlopen(self.cluster.base_url + "/v1/models", timeout=10) as resp:
             import json
 
             model = json.load(resp)["data"][0]["id"]
-        self.info = {"env": self.env, "logs": str(log_dir)}
+        self.info = {"env": {k: v for k, v in env.items() if k != "SPINDLE_LOG_LEVEL"}, "logs": str(log_dir)}
         # ignore_eos (a vLLM extension Spindle accepts) makes every output exactly max_tokens long.
         return Target(self.cluster.base_url, model, {"ignore_eos": True})
 

@@ -1,6 +1,7 @@
 """Model-step benchmark, in one process and without gRPC: prefill and decode step times of the worker.
 
-    .venv/bin/python -m benchmarks.step_bench [--dtype float32] [--batch-sizes 1,8,32,64] [--repeats 3] [--out F]
+    .venv/bin/python -m benchmarks.step_bench [--dtype float32] [--attention-backend auto|torch]
+        [--batch-sizes 1,8,32,64] [--prompt-len 128] [--repeats 3] [--out F]
 
 Prints a table and writes benchmarks/results/step_bench.json. Scheduling is done by the real
 Scheduler, so the steps are the ones the engine would run.
@@ -13,6 +14,8 @@ import statistics
 import time
 from pathlib import Path
 
+import torch
+
 from services.common.messages import EngineCoreRequest, SamplingParams
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.request import Request
@@ -21,8 +24,9 @@ from services.worker.config import WorkerConfig
 from services.worker.worker import Worker
 
 
-def make_worker(dtype: str, kv_cache_bytes: int) -> Worker:
-    worker = Worker(WorkerConfig(dtype=dtype, kv_cache_bytes=kv_cache_bytes, max_model_len=2048))
+def make_worker(dtype: str, kv_cache_bytes: int, attention_backend: str = "auto") -> Worker:
+    worker = Worker(WorkerConfig(dtype=dtype, kv_cache_bytes=kv_cache_bytes, max_model_len=2048,
+                                 attention_backend=attention_backend))
     worker.load_model()
     worker.initialize_kv_cache(0)
     return worker
@@ -57,10 +61,11 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch"])
     parser.add_argument("--kv-cache-bytes", type=int, default=2 * 2**30)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "step_bench.json"))
     args = parser.parse_args()
-    worker = make_worker(args.dtype, args.kv_cache_bytes)
+    worker = make_worker(args.dtype, args.kv_cache_bytes, args.attention_backend)
     rows = []
     for bs in [int(x) for x in args.batch_sizes.split(",")]:
         runs = [run_batch(worker, bs, args.prompt_len, args.decode_steps) for _ in range(args.repeats)]
@@ -70,7 +75,8 @@ def main() -> None:
               f"decode step {row['decode_step_ms']:7.1f} ms = {row['decode_tok_s']:7.1f} tok/s", flush=True)
     out = Path(args.out)
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"dtype": args.dtype, "rows": rows}, indent=2))
+    out.write_text(json.dumps({"dtype": args.dtype, "attention_backend": args.attention_backend,
+                               "torch_threads": torch.get_num_threads(), "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ class WorkerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     num_threads: int | None = None  # None: torch's default
+    attention_backend: str = "auto"  # auto: CUDA kernels on a GPU, compiled decode kernel on a CPU; torch
     log_level: str = "INFO"
     shutdown_timeout: float = 30.0
     fake_model: bool = False  # no weights; each step returns a fixed token (engine-overhead benchmark)
@@ -48,6 +49,8 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r}: expected auto or one of {sorted(DTYPES)}")
+        if self.attention_backend not in ("auto", "torch"):
+            raise ValueError(f"--attention-backend {self.attention_backend!r}: expected auto or torch")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device {self.device!r}: expected auto, cpu or cuda")
         for name in ("kv_cache_bytes", "block_size", "max_num_batched_tokens", "max_num_seqs"):
@@ -87,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--max-num-batched-tokens", type=int, default=2048, help="most tokens in one step")
     add_flag(parser, "--max-num-seqs", type=int, default=256, help="most requests in one step")
     add_flag(parser, "--num-threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    add_flag(parser, "--attention-backend", default="auto", choices=["auto", "torch"],
+             help="auto: CUDA kernels on a GPU, the compiled paged-decode kernel on a CPU; torch: PyTorch only")
     add_flag(parser, "--fake-model", type=bool, default=False,
              help="load no weights; every step returns a fixed token at once (measures engine overhead)")
     add_telemetry_flags(parser, default_metrics_port=9093)
@@ -110,6 +115,7 @@ def config_from_args(argv: list[str] | None = None) -> WorkerConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         num_threads=args.num_threads,
+        attention_backend=args.attention_backend,
         log_level=args.log_level,
         shutdown_timeout=args.shutdown_timeout,
         fake_model=args.fake_model,

@@ -17,6 +17,7 @@ from torch import nn
 
 from services.common.model_files import resolve_model
 from services.worker.attention.backend import AttentionBackend
+from services.worker.layers.linear import can_prepack, prepack_cpu_weights
 from services.worker.models import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -82,9 +83,10 @@ def load_model(
         raise ValueError(f"checkpoint in {model_path} lacks {sorted(missing)[:5]} ({len(missing)} missing)")
     net.eval().requires_grad_(False)
     num_params = sum(p.numel() for p in net.parameters())
+    num_packed = prepack_cpu_weights(net) if can_prepack(torch.device(device), dtype) else 0
     logger.info(
-        "loaded %s (%s, %.0fM parameters, %s) in %.1f s",
-        model_cls.__name__, model_path.name, num_params / 1e6, str(dtype).removeprefix("torch."),
+        "loaded %s (%s, %.0fM parameters, %s, %d matmul weights prepacked) in %.1f s",
+        model_cls.__name__, model_path.name, num_params / 1e6, str(dtype).removeprefix("torch."), num_packed,
         time.monotonic() - start,
     )
     return net

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import torch
 
 from services.common.messages import KVCacheSpec, ModelRunnerOutput, SchedulerOutput
 from services.common.model_files import resolve_model
+from services.worker.attention.cpu_backend import CpuAttentionBackend
+from services.worker.attention.cpu_decode import load_paged_decode
 from services.worker.attention.torch_backend import TorchAttentionBackend
 from services.worker.config import RunnerConfig, WorkerConfig, resolve_device, resolve_dtype
 from services.worker.kv_cache import KVCacheLayout, num_blocks_for_budget
@@ -107,10 +110,14 @@ class Worker:
         )
 
     def _attention_and_sampler(self, head_dim: int):
-        """PyTorch on a CPU; on a GPU the CUDA kernels (PyTorch attention for head sizes the
-        kernels lack). None keeps the runner's default sampler."""
-        if self.device.type != "cuda":
+        """On a CPU, PyTorch with decode tokens on the compiled kernel (plain PyTorch if it does not
+        build); on a GPU the CUDA kernels (PyTorch attention for head sizes the kernels lack).
+        None keeps the runner's default sampler."""
+        if self.config.attention_backend == "torch":
             return TorchAttentionBackend(), None
+        if self.device.type != "cuda":
+            kernel = load_paged_decode(Path(self.config.cache_dir) if self.config.cache_dir else None)
+            return (CpuAttentionBackend(kernel) if kernel else TorchAttentionBackend()), None
         from services.worker.attention.cupy_backend import CupyAttentionBackend
         from services.worker.cuda_sampler import CudaSampler
         from services.worker.kernels.loader import CupyLauncher

@@ -1,10 +1,27 @@
-"""The PyTorch paged attention backend against a dense float64 reference on a mixed batch."""
+"""The CPU paged attention backends against a dense float64 reference on a mixed batch."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from services.worker.attention.backend import CommonAttentionMetadata
+from services.worker.attention.cpu_backend import CpuAttentionBackend
+from services.worker.attention.cpu_decode import load_paged_decode
 from services.worker.attention.torch_backend import TorchAttentionBackend
+
+
+@pytest.fixture(scope="module")
+def decode_kernel(tmp_path_factory):
+    kernel = load_paged_decode(tmp_path_factory.mktemp("kernels"))
+    assert kernel is not None, "the CPU decode kernel must build here (gcc is on every CI machine)"
+    return kernel
+
+
+@pytest.fixture(params=["torch", "cpu"])
+def backend(request):
+    if request.param == "torch":
+        return TorchAttentionBackend()
+    return CpuAttentionBackend(request.getfixturevalue("decode_kernel"))
 
 
 def _reference(q, k_all, v_all, context_len, scale):
@@ -18,10 +35,9 @@ def _reference(q, k_all, v_all, context_len, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(q.shape[0], -1)
 
 
-def test_mixed_batch_matches_dense_reference():
+def test_mixed_batch_matches_dense_reference(backend):
     torch.manual_seed(0)
     bs, heads, kv_heads, dim, num_blocks = 4, 6, 2, 8, 32
-    backend = TorchAttentionBackend()
     cache = torch.zeros(backend.get_kv_cache_shape(num_blocks, bs, kv_heads, dim))
     # (context already cached, new tokens this step, block ids)
     reqs = [(9, 1, [3, 17, 5]), (0, 7, [8, 2]), (5, 6, [11, 12, 30]), (0, 1, [4]), (14, 1, [6, 7, 9, 10])]
@@ -50,3 +66,29 @@ def test_mixed_batch_matches_dense_reference():
         torch.testing.assert_close(out[s:e].double(), expected, atol=1e-5, rtol=1e-5)
     # this step's K/V landed in the cache at their slots
     assert torch.equal(cache[0].view(-1, kv_heads, dim)[torch.tensor(slots)], k)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim,bs", [(9, 3, 64, 16), (8, 8, 128, 8), (16, 2, 64, 16), (4, 1, 32, 4)])
+def test_decode_kernel_matches_torch_decode(decode_kernel, cache_dtype, heads, kv_heads, dim, bs):
+    """All-decode batches with scattered block tables, padded rows and a one-token context."""
+    torch.manual_seed(heads * dim + bs)
+    num_blocks, seq_lens = 64, [1, 37, bs, 5 * bs + 3, 2 * bs - 1]
+    cache = torch.randn(2, num_blocks, bs, kv_heads, dim).to(cache_dtype)
+    max_blocks = -(-max(seq_lens) // bs) + 1  # one padding column, pointing at the null block
+    table = torch.zeros(len(seq_lens), max_blocks, dtype=torch.long)
+    for i, n in enumerate(seq_lens):
+        table[i, : -(-n // bs)] = torch.randperm(num_blocks - 1)[: -(-n // bs)] + 1
+    # The new token's K/V is written by forward, so take it from the cache's own slot.
+    slots = torch.tensor([table[i, (n - 1) // bs] * bs + (n - 1) % bs for i, n in enumerate(seq_lens)])
+    k = cache[0].view(-1, kv_heads, dim)[slots].clone()
+    v = cache[1].view(-1, kv_heads, dim)[slots].clone()
+    common = CommonAttentionMetadata(torch.arange(len(seq_lens) + 1), torch.tensor(seq_lens), slots, table, bs,
+                                     [1] * len(seq_lens), seq_lens)
+    q = torch.randn(len(seq_lens), heads, dim).to(cache_dtype)
+    torch_backend, cpu_backend = TorchAttentionBackend(), CpuAttentionBackend(decode_kernel)
+    expected = torch_backend.forward(q, k, v, cache.clone(), torch_backend.build_metadata(common), dim**-0.5)
+    out = cpu_backend.forward(q, k, v, cache, cpu_backend.build_metadata(common), dim**-0.5)
+    assert out.dtype == cache_dtype
+    tol = 1e-5 if cache_dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)

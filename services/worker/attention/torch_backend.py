@@ -84,13 +84,16 @@ class TorchAttentionBackend(AttentionBackend):
         value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, value)
 
         if metadata.is_all_decode:
-            return _decode(query, key_cache, value_cache, metadata, scale)
+            return self._decode(query, key_cache, value_cache, metadata, scale)
         output = torch.empty(query.shape[0], num_heads * head_dim, dtype=query.dtype, device=query.device)
         if metadata.decode_token_indices is not None:
-            output[metadata.decode_token_indices] = _decode(query, key_cache, value_cache, metadata, scale)
+            output[metadata.decode_token_indices] = self._decode(query, key_cache, value_cache, metadata, scale)
         for p in metadata.prefills:
             output[p.query_start : p.query_end] = _prefill(query, key, value, key_cache, value_cache, p, scale)
         return output
+
+    def _decode(self, query, key_cache, value_cache, metadata: TorchAttentionMetadata, scale) -> torch.Tensor:
+        return _decode(query, key_cache, value_cache, metadata, scale)
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, num_rows: int) -> torch.Tensor:

@@ -2,6 +2,18 @@
 
 `MergedLinear` stacks several checkpoint projections (q/k/v, gate/up) along the output dimension
 so one matmul replaces several; `load_shard` copies one of them into its slice at load time.
+
+On a CPU, float32 weights are repacked once after loading into oneDNN's blocked layout
+(`prepack_cpu_weights`): BLAS otherwise re-packs every weight on every call, which at decode batch
+sizes costs as much as the multiply (measured: 30 layers' matmuls at 64 rows 259 -> 184 ms, at
+2048 rows 4.6 -> 3.5 s, the 113 MB LM head at one row 22 -> 12 ms).
+
+`linear` is the matmul every layer calls. On a CPU without native bfloat16 arithmetic (AVX2),
+a bfloat16 matmul of more than a couple of rows is emulated and several times slower than
+float32, while reading bfloat16 weights halves the memory traffic that bounds a small decode
+batch. So 16-bit weights multiply natively only for one or two rows; larger batches widen the
+weight to float32 a chunk of rows at a time (the chunk stays in cache for its matmul) and round
+the result back, which is how a native bfloat16 GEMM accumulates anyway.
 """
 from __future__ import annotations
 
@@ -19,9 +31,18 @@ class Linear(nn.Module):
         self.output_size = output_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size))
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
+        self.packed_weight: torch.Tensor | None = None  # oneDNN layout, after prepack()
+
+    def prepack(self, keep_weight: bool = False) -> None:
+        """Repacks the float32 CPU weight for oneDNN; the plain copy is freed unless kept."""
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+        if not keep_weight:
+            self.weight.data = self.weight.data.new_empty(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self.packed_weight is not None:
+            return packed_linear(x, self.packed_weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedLinear(Linear):
@@ -52,3 +73,49 @@ class QKVLinear(MergedLinear):
         super().__init__(
             hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], bias
         )
+
+
+MAX_NATIVE_16BIT_ROWS = 2  # CPU: above this, 16-bit weights are widened to float32 chunk by chunk
+WIDEN_CHUNK_ROWS = 1024  # weight rows widened per matmul
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ b) for x [T, in] and W [out, in], in the dtype of x."""
+    if weight.dtype == torch.float32 or weight.device.type != "cpu" or x.shape[0] <= MAX_NATIVE_16BIT_ROWS:
+        return F.linear(x, weight, bias)
+    return chunked_linear(x, weight, bias, WIDEN_CHUNK_ROWS)
+
+
+def chunked_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunk_rows: int
+) -> torch.Tensor:
+    """x [M, in] @ W^T as one float32 matmul per `chunk_rows` rows of W, widening 16-bit inputs."""
+    x32 = x.float()
+    out = x32.new_empty(x.shape[0], weight.shape[0])
+    for start in range(0, weight.shape[0], chunk_rows):
+        end = start + chunk_rows
+        torch.mm(x32, weight[start:end].float().t(), out=out[:, start:end])
+    if bias is not None:
+        out += bias
+    return out.to(x.dtype)
+
+
+def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed_weight, bias, "none", [], "")
+
+
+def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
+    return (
+        device.type == "cpu"
+        and dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
+def prepack_cpu_weights(model: nn.Module) -> int:
+    """Prepacks every Linear (and anything else with a `prepack` method) in `model`; returns how many."""
+    modules = [m for m in model.modules() if hasattr(m, "prepack")]
+    for module in modules:
+        module.prepack()
+    return len(modules)
