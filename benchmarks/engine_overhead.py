@@ -27,7 +27,7 @@ from pathlib import Path
 
 import aiohttp
 
-from services.common import codec
+from services.common import codec, worker_codec
 from services.common.messages import EngineCoreOutputs, EngineCoreRequest, SamplingParams
 from services.common.pb import engine_core_pb2, worker_pb2
 from services.scheduler.config import SchedulerConfig
@@ -66,11 +66,11 @@ def in_process_step_costs(num_running: int, num_steps: int = 30) -> dict:
         "decode_runner_output", "update_from_output", "encode_engine_outputs", "decode_engine_outputs")}
     for step in range(num_steps + 3):
         so, t_sched = _timed(scheduler.schedule)
-        so_bytes, t_enc_so = _timed(lambda: codec.scheduler_output_to_pb(so).SerializeToString())
-        so_worker, t_dec_so = _timed(lambda: codec.scheduler_output_from_pb(worker_pb2.SchedulerOutput.FromString(so_bytes)))
+        so_bytes, t_enc_so = _timed(lambda: worker_codec.scheduler_output_to_pb(so).SerializeToString())
+        so_worker, t_dec_so = _timed(lambda: worker_codec.scheduler_output_from_pb(worker_pb2.SchedulerOutput.FromString(so_bytes)))
         ro, t_fake = _timed(runner.execute_model, so_worker)
-        ro_bytes, t_enc_ro = _timed(lambda: codec.model_runner_output_to_pb(ro).SerializeToString())
-        ro_sched, t_dec_ro = _timed(lambda: codec.model_runner_output_from_pb(worker_pb2.ModelRunnerOutput.FromString(ro_bytes)))
+        ro_bytes, t_enc_ro = _timed(lambda: worker_codec.model_runner_output_to_pb(ro).SerializeToString())
+        ro_sched, t_dec_ro = _timed(lambda: worker_codec.model_runner_output_from_pb(worker_pb2.ModelRunnerOutput.FromString(ro_bytes)))
         outputs, t_update = _timed(scheduler.update_from_output, so, ro_sched)
         eco = EngineCoreOutputs(outputs=outputs, scheduler_stats=scheduler.get_stats(), timestamp=time.time())
         eco_bytes, t_enc_eco = _timed(lambda: codec.engine_core_outputs_to_pb(eco).SerializeToString())

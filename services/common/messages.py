@@ -1,6 +1,6 @@
 """Plain dataclasses for the messages between services.
 
-The codec module converts these to and from protobuf; everything else (scheduler, model runner,
+The codec modules convert these to and from protobuf; everything else (scheduler, model runner,
 frontend logic) works on these types only, so it can be unit-tested without gRPC.
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 import grpc
 
-from services.common import codec
+from services.common import worker_codec
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.messages import KVCacheSpec, ModelRunnerOutput, SchedulerOutput
 from services.common.pb import worker_pb2, worker_pb2_grpc
@@ -43,7 +43,7 @@ class WorkerClient:
             )
         except grpc.aio.AioRpcError as exc:
             raise WorkerUnavailable(f"worker at {self.address}: {exc.code().name} {exc.details()}") from exc
-        return codec.kv_cache_spec_from_pb(response)
+        return worker_codec.kv_cache_spec_from_pb(response)
 
     async def initialize(self, num_blocks: int) -> None:
         assert self._stub is not None
@@ -56,7 +56,7 @@ class WorkerClient:
     async def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self._stream is None:
             raise WorkerUnavailable("no stream to the worker")
-        request = worker_pb2.ExecuteModelRequest(scheduler_output=codec.scheduler_output_to_pb(scheduler_output))
+        request = worker_pb2.ExecuteModelRequest(scheduler_output=worker_codec.scheduler_output_to_pb(scheduler_output))
         try:
             await self._stream.write(request)
             response = await self._stream.read()
@@ -68,7 +68,7 @@ class WorkerClient:
             raise WorkerUnavailable("worker closed the stream")
         if response.error_message:
             raise WorkerStepError(response.error_message)
-        return codec.model_runner_output_from_pb(response.model_runner_output)
+        return worker_codec.model_runner_output_from_pb(response.model_runner_output)
 
     def is_stream_open(self) -> bool:
         """False once the step stream has ended (the worker died or closed it)."""

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from services.common import codec
+from services.common import worker_codec as codec
 from services.common.grpc_server import GrpcServer, install_stop_signals
 from services.common.metrics_server import MetricsServer, listen_host
 from services.common.pb import worker_pb2, worker_pb2_grpc

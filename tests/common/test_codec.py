@@ -1,48 +1,13 @@
-"""The codec's per-step messages travel in columns: every shape must come back as it went."""
+"""EngineCoreOutputs travel in columns: every shape must come back as it went."""
 from __future__ import annotations
 
 from services.common import codec
 from services.common import messages as m
-from services.common.pb import engine_core_pb2, worker_pb2
+from services.common.pb import engine_core_pb2
 
 
 def _wire(msg):
     return type(msg).FromString(msg.SerializeToString())
-
-
-def test_scheduler_output_round_trip_keeps_batch_order_and_resumed_tokens():
-    so = m.SchedulerOutput(
-        scheduled_new_reqs=[m.NewRequestData("n1", [1, 2, 3], m.SamplingParams(), [4, 5], 0, "tp")],
-        scheduled_cached_reqs=m.CachedRequestData(
-            req_ids=["a", "b", "c"], resumed_from_preemption=[False, True, False],
-            new_block_ids=[[], [7, 8], [9]], num_computed_tokens=[5, 0, 7], resumed_token_ids=[[], [1, 2, 3, 4], []]),
-        num_scheduled_tokens={"n1": 3, "a": 1, "b": 4, "c": 1}, total_num_scheduled_tokens=9,
-        finished_req_ids={"z"}, preempted_req_ids={"y"}, step_id=3)
-    back = codec.scheduler_output_from_pb(_wire(codec.scheduler_output_to_pb(so)))
-    assert back == so
-    assert list(back.num_scheduled_tokens) == ["n1", "a", "b", "c"]
-
-
-def test_decode_step_without_new_blocks_sends_no_per_request_counts():
-    so = m.SchedulerOutput(
-        scheduled_cached_reqs=m.CachedRequestData(req_ids=["a", "b"], resumed_from_preemption=[False, False],
-                                                  new_block_ids=[[], []], num_computed_tokens=[3, 4],
-                                                  resumed_token_ids=[[], []]),
-        num_scheduled_tokens={"a": 1, "b": 1}, total_num_scheduled_tokens=2)
-    msg = codec.scheduler_output_to_pb(so)
-    assert not msg.scheduled_cached_reqs.num_new_block_ids and not msg.scheduled_cached_reqs.resumed_token_ids
-    assert codec.scheduler_output_from_pb(_wire(msg)) == so
-
-
-def test_model_runner_output_round_trip():
-    lp = m.TokenLogprobs(-0.5, 1, [(1, -0.5), (2, -1.0)])
-    for ro in [m.ModelRunnerOutput(["a", "b"], [[1], [2]], [None, None], 1, 2, 3, 4),
-               m.ModelRunnerOutput(["a", "b", "c"], [[1], [], [5, 6]], [None, lp, None], 1, 2, 3, 4),
-               m.ModelRunnerOutput(["a"], [[]], [None]),
-               m.ModelRunnerOutput()]:
-        msg = _wire(codec.model_runner_output_to_pb(ro))
-        assert isinstance(msg, worker_pb2.ModelRunnerOutput)
-        assert codec.model_runner_output_from_pb(msg) == ro
 
 
 def test_engine_core_outputs_plain_in_columns_the_rest_in_full():

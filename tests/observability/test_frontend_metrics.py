@@ -4,6 +4,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from prometheus_client import CollectorRegistry, Histogram
 
 from services.common.messages import (
     EngineCoreOutput,
@@ -13,7 +14,7 @@ from services.common.messages import (
     RequestEventType,
     SchedulerStats,
 )
-from services.frontend.metrics import FrontendMetrics
+from services.frontend.metrics import FrontendMetrics, observe_many
 
 MODEL = {"model_name": "m"}
 
@@ -95,3 +96,40 @@ def test_buckets_follow_the_genai_conventions(metrics):
     bounds = {float(s.labels["le"]) for f in metrics.registry.collect() if f.name == "spindle:time_to_first_token_seconds"
               for s in f.samples if s.name.endswith("_bucket")}
     assert bounds == set(TTFT_BUCKETS_S) | {float("inf")}
+
+
+# (value, count): below the first bound, on each bound, between bounds, above the last (+Inf), no observations.
+OBSERVATIONS = [(-1.0, 1), (0.0, 2), (0.01, 3), (0.05, 1), (0.1, 4), (1.0, 2), (7.5, 5), (0.3, 0)]
+
+
+def histogram_pair(is_labelled: bool) -> list[tuple[CollectorRegistry, Histogram]]:
+    pair = []
+    for _ in range(2):
+        registry = CollectorRegistry()
+        h = Histogram("h", "doc", ["model_name"] if is_labelled else [], registry=registry, buckets=(0.01, 0.1, 1.0))
+        pair.append((registry, h.labels("m") if is_labelled else h))
+    return pair
+
+
+def histogram_samples(registry: CollectorRegistry) -> dict[tuple, float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in registry.collect() for s in f.samples
+            if not s.name.endswith("_created")}  # creation times differ between the two histograms
+
+
+@pytest.mark.parametrize("is_labelled", [False, True])
+@pytest.mark.parametrize("is_fallback", [False, True])
+def test_observe_many_matches_one_observe_per_value(is_labelled, is_fallback, monkeypatch):
+    (expected_registry, expected), (registry, h) = histogram_pair(is_labelled)
+    if is_fallback:
+        h = SimpleNamespace(observe=h.observe)  # only the public API, as another prometheus_client may offer
+    else:
+        monkeypatch.setattr(h, "observe", None)  # the fast path must not fall back to observe
+    for value, count in OBSERVATIONS:
+        for _ in range(count):
+            expected.observe(value)
+        observe_many(h, value, count)
+    want = histogram_samples(expected_registry)
+    assert want.keys() == histogram_samples(registry).keys()
+    for key, value in histogram_samples(registry).items():
+        # bucket counts and count exactly; the sum up to rounding (value * count versus repeated adds)
+        assert value == (pytest.approx(want[key], rel=1e-12) if key[0] == "h_sum" else want[key]), key

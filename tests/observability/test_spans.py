@@ -231,9 +231,9 @@ def test_failed_request_marks_the_span_and_counts_an_error():
 
 
 def test_codec_carries_the_worker_traceparent():
-    from services.common import codec
+    from services.common import worker_codec
 
     new = NewRequestData("r1", [1, 2], SamplingParams(), [1], 0, traceparent=TRACEPARENT)
-    decoded = codec.scheduler_output_from_pb(codec.scheduler_output_to_pb(SchedulerOutput(
+    decoded = worker_codec.scheduler_output_from_pb(worker_codec.scheduler_output_to_pb(SchedulerOutput(
         scheduled_new_reqs=[new], num_scheduled_tokens={"r1": 2}, total_num_scheduled_tokens=2)))
     assert decoded.scheduled_new_reqs[0].traceparent == TRACEPARENT

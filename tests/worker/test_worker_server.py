@@ -14,7 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common import codec
+from services.common import worker_codec
 from services.common.messages import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.worker.config import WorkerConfig
@@ -67,7 +67,7 @@ def test_describe_and_initialize(stub):
     stub, channel = stub
     health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
     assert health.status == health_pb2.HealthCheckResponse.SERVING
-    spec = codec.kv_cache_spec_from_pb(stub.DescribeKVCache(worker_pb2.DescribeKVCacheRequest()))
+    spec = worker_codec.kv_cache_spec_from_pb(stub.DescribeKVCache(worker_pb2.DescribeKVCacheRequest()))
     assert (spec.model_name, spec.block_size, spec.dtype, spec.device) == ("tiny", 4, "float32", "cpu")
     assert spec.max_model_len == 256 and spec.vocab_size == 512
     assert spec.num_blocks == 2**20 // spec.block_bytes
@@ -90,14 +90,14 @@ def test_execute_model_stream(stub, tiny_llama_dir):
         SchedulerOutput(scheduled_cached_reqs=CachedRequestData(["a"], [False], [[9]], [7], [[]]),
                         num_scheduled_tokens={"a": 1}, total_num_scheduled_tokens=1, step_id=3),
     ]
-    requests = (worker_pb2.ExecuteModelRequest(scheduler_output=codec.scheduler_output_to_pb(s)) for s in steps)
+    requests = (worker_pb2.ExecuteModelRequest(scheduler_output=worker_codec.scheduler_output_to_pb(s)) for s in steps)
     responses = list(stub.ExecuteModel(requests, timeout=60))
     assert len(responses) == 3
     first, failed, third = responses
     assert not first.error_message and failed.error_message and "ghost" in failed.error_message
     assert failed.model_runner_output.step_id == 2
-    out1 = codec.model_runner_output_from_pb(first.model_runner_output)
-    out3 = codec.model_runner_output_from_pb(third.model_runner_output)
+    out1 = worker_codec.model_runner_output_from_pb(first.model_runner_output)
+    out3 = worker_codec.model_runner_output_from_pb(third.model_runner_output)
     assert out1.req_ids == ["a"] and out1.step_id == 1
     assert [out1.sampled_token_ids[0][0], out3.sampled_token_ids[0][0]] == expected[:2]
     assert out1.logprobs[0].rank == 1 and len(out1.logprobs[0].top_logprobs) == 2

@@ -1,0 +1,163 @@
+"""Converts the scheduler <-> worker protobuf messages (worker.proto) to the plain dataclasses of
+`messages` and back. Sampling params and logprobs are engine_core.proto types, converted by `codec`.
+
+SchedulerOutput and ModelRunnerOutput travel in columns, as `codec` explains.
+"""
+from __future__ import annotations
+
+from itertools import chain
+
+from services.common import messages as m
+from services.common.codec import (
+    sampling_params_from_pb,
+    sampling_params_to_pb,
+    split_column,
+    token_logprobs_from_pb,
+    token_logprobs_to_pb,
+)
+from services.common.pb import worker_pb2 as w_pb
+
+
+def _counts(lists: list[list[int]]) -> list[int]:
+    """One count per list, or none when every list is empty (the column is then omitted)."""
+    counts = list(map(len, lists))
+    return counts if any(counts) else []
+
+
+def scheduler_output_to_pb(s: m.SchedulerOutput) -> w_pb.SchedulerOutput:
+    c = s.scheduled_cached_reqs
+    new_reqs = s.scheduled_new_reqs
+    # Batch order, as the scheduler built it: new requests, then cached ones.
+    order = [r.req_id for r in new_reqs] + c.req_ids
+    counts = s.num_scheduled_tokens
+    is_resumed = c.resumed_from_preemption
+    resumed = [t for t, r in zip(c.resumed_token_ids, is_resumed) if r] if any(is_resumed) else []
+    return w_pb.SchedulerOutput(
+        scheduled_new_reqs=[
+            w_pb.NewRequestData(
+                req_id=r.req_id,
+                prompt_token_ids=r.prompt_token_ids,
+                sampling_params=sampling_params_to_pb(r.sampling_params),
+                block_ids=r.block_ids,
+                num_computed_tokens=r.num_computed_tokens,
+                traceparent=r.traceparent,
+            )
+            for r in new_reqs
+        ],
+        scheduled_cached_reqs=w_pb.CachedRequestData(
+            req_ids=c.req_ids,
+            resumed_from_preemption=is_resumed,
+            num_computed_tokens=c.num_computed_tokens,
+            new_block_ids=list(chain.from_iterable(c.new_block_ids)),
+            num_new_block_ids=_counts(c.new_block_ids),
+            resumed_token_ids=list(chain.from_iterable(resumed)),
+            num_resumed_token_ids=list(map(len, resumed)),
+        ),
+        num_scheduled_tokens=[counts.get(req_id, 0) for req_id in order],
+        total_num_scheduled_tokens=s.total_num_scheduled_tokens,
+        finished_req_ids=sorted(s.finished_req_ids),
+        preempted_req_ids=sorted(s.preempted_req_ids),
+        step_id=s.step_id,
+    )
+
+
+def scheduler_output_from_pb(msg: w_pb.SchedulerOutput) -> m.SchedulerOutput:
+    c = msg.scheduled_cached_reqs
+    new_reqs = [
+        m.NewRequestData(
+            req_id=r.req_id,
+            prompt_token_ids=list(r.prompt_token_ids),
+            sampling_params=sampling_params_from_pb(r.sampling_params),
+            block_ids=list(r.block_ids),
+            num_computed_tokens=r.num_computed_tokens,
+            traceparent=r.traceparent,
+        )
+        for r in msg.scheduled_new_reqs
+    ]
+    req_ids = list(c.req_ids)
+    num_reqs = len(req_ids)
+    is_resumed = list(c.resumed_from_preemption)
+    if c.num_new_block_ids:
+        new_block_ids = split_column(list(c.new_block_ids), list(c.num_new_block_ids))
+    else:
+        new_block_ids = [[] for _ in range(num_reqs)]
+    resumed_token_ids: list[list[int]] = [[] for _ in range(num_reqs)]
+    if c.num_resumed_token_ids:
+        tokens = iter(split_column(list(c.resumed_token_ids), list(c.num_resumed_token_ids)))
+        for i in (i for i, r in enumerate(is_resumed) if r):
+            resumed_token_ids[i] = next(tokens)
+    order = [r.req_id for r in new_reqs] + req_ids
+    return m.SchedulerOutput(
+        scheduled_new_reqs=new_reqs,
+        scheduled_cached_reqs=m.CachedRequestData(
+            req_ids=req_ids,
+            resumed_from_preemption=is_resumed,
+            new_block_ids=new_block_ids,
+            num_computed_tokens=list(c.num_computed_tokens),
+            resumed_token_ids=resumed_token_ids,
+        ),
+        # Key order is the batch order; requests given no tokens were not in the decision.
+        num_scheduled_tokens={r: n for r, n in zip(order, msg.num_scheduled_tokens) if n},
+        total_num_scheduled_tokens=msg.total_num_scheduled_tokens,
+        finished_req_ids=set(msg.finished_req_ids),
+        preempted_req_ids=set(msg.preempted_req_ids),
+        step_id=msg.step_id,
+    )
+
+
+def model_runner_output_to_pb(o: m.ModelRunnerOutput) -> w_pb.ModelRunnerOutput:
+    sampled = o.sampled_token_ids
+    counts = list(map(len, sampled))
+    msg = w_pb.ModelRunnerOutput(
+        req_ids=o.req_ids,
+        sampled_token_ids=list(chain.from_iterable(sampled)),
+        num_sampled_token_ids=[] if counts.count(1) == len(counts) else counts,
+        prepare_ns=o.prepare_ns,
+        forward_ns=o.forward_ns,
+        sample_ns=o.sample_ns,
+        step_id=o.step_id,
+    )
+    logprobs = o.logprobs
+    if logprobs.count(None) != len(logprobs):
+        indices = [i for i, lp in enumerate(logprobs) if lp is not None]
+        msg.logprobs_req_indices.extend(indices)
+        msg.logprobs.extend([token_logprobs_to_pb(logprobs[i]) for i in indices])
+    return msg
+
+
+def model_runner_output_from_pb(msg: w_pb.ModelRunnerOutput) -> m.ModelRunnerOutput:
+    req_ids = list(msg.req_ids)
+    token_ids = list(msg.sampled_token_ids)
+    if msg.num_sampled_token_ids:
+        sampled = split_column(token_ids, list(msg.num_sampled_token_ids))
+    else:
+        sampled = [[t] for t in token_ids]
+    logprobs: list[m.TokenLogprobs | None] = [None] * len(req_ids)
+    for i, lp in zip(msg.logprobs_req_indices, msg.logprobs):
+        logprobs[i] = token_logprobs_from_pb(lp)
+    return m.ModelRunnerOutput(
+        req_ids=req_ids,
+        sampled_token_ids=sampled,
+        logprobs=logprobs,
+        prepare_ns=msg.prepare_ns,
+        forward_ns=msg.forward_ns,
+        sample_ns=msg.sample_ns,
+        step_id=msg.step_id,
+    )
+
+
+def kv_cache_spec_to_pb(spec: m.KVCacheSpec) -> w_pb.DescribeKVCacheResponse:
+    return w_pb.DescribeKVCacheResponse(**vars(spec))
+
+
+def kv_cache_spec_from_pb(msg: w_pb.DescribeKVCacheResponse) -> m.KVCacheSpec:
+    return m.KVCacheSpec(
+        block_size=msg.block_size,
+        num_blocks=msg.num_blocks,
+        block_bytes=msg.block_bytes,
+        max_model_len=msg.max_model_len,
+        model_name=msg.model_name,
+        device=msg.device,
+        dtype=msg.dtype,
+        vocab_size=msg.vocab_size,
+    )
