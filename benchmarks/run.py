@@ -104,9 +104,9 @@ def make_servers(names: list[str], dtype: str, install: bool, bf16_max_concurren
             servers.append(SpindleServer("spindle-fake", env={"SPINDLE_FAKE_MODEL": "true"}, note="fake model"))
         elif name == "spindle-bf16":
             server = SpindleServer("spindle-bf16", env={"SPINDLE_DTYPE": "bfloat16"},
-                                   note=f"bfloat16, emulated on this CPU (no AVX-512 BF16 / AMX); "
-                                        f"c<={bf16_max_concurrency} only")
-            server.max_concurrency = bf16_max_concurrency  # emulated bf16 is slow: low levels tell enough
+                                   note=f"bfloat16 weights and KV cache (matmuls over 2 rows widened to float32: "
+                                        f"no bfloat16 arithmetic on AVX2); c<={bf16_max_concurrency} only")
+            server.max_concurrency = bf16_max_concurrency
             servers.append(server)
         elif name in ("transformers-serve", "llama-cpp"):
             why = peers.install(name, log=log) if install else (
@@ -271,7 +271,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--servers", default="spindle,transformers-serve,llama-cpp,hf-generate",
                         help="comma list of spindle, spindle-bf16, spindle-fake, transformers-serve, llama-cpp, hf-generate")
     parser.add_argument("--dtype", default="float32", help="dtype for Spindle and the HF-format peers")
-    parser.add_argument("--bf16-max-concurrency", type=int, default=8, help="levels spindle-bf16 runs (no rates)")
+    parser.add_argument("--bf16-max-concurrency", type=int, default=64, help="levels spindle-bf16 runs (no rates)")
     parser.add_argument("--hf-max-concurrency", type=int,
                         help="largest static batch for hf-generate (its prefill cannot be cut by the time limit)")
     parser.add_argument("--concurrency", default="1,8,32,64")

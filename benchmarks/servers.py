@@ -50,8 +50,9 @@ class SpindleServer(Server):
         log_dir = LOG_DIR / self.name
         log_dir.mkdir(parents=True, exist_ok=True)
         # The test cluster pins the worker to one torch thread; a benchmark gives it every core, as
-        # the peers get (torch's default), unless the caller says otherwise.
-        env = {"SPINDLE_LOG_LEVEL": "WARNING", "SPINDLE_NUM_THREADS": str(os.cpu_count() or 1), **self.env}
+        # the peers get (torch's default), unless SPINDLE_NUM_THREADS says otherwise.
+        threads = os.environ.get("SPINDLE_NUM_THREADS") or str(os.cpu_count() or 1)
+        env = {"SPINDLE_LOG_LEVEL": "WARNING", "SPINDLE_NUM_THREADS": threads, **self.env}
         self.cluster = SpindleCluster(log_dir, env=env).start(timeout_s)
         with urllib.request.urlopen(self.cluster.base_url + "/v1/models", timeout=10) as resp:
             import json

@@ -48,16 +48,21 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", freqs.cos(), persistent=False)
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
 
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, D/2] for `positions` [T]: looked up once per step, shared by all layers."""
+        return (self.cos_cache[positions].unsqueeze(1).to(dtype),
+                self.sin_cache[positions].unsqueeze(1).to(dtype))
+
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """query [T, H, D] and key [T, H_kv, D] for tokens at `positions` [T]."""
-        cos = self.cos_cache[positions].unsqueeze(1).to(query.dtype)
-        sin = self.sin_cache[positions].unsqueeze(1).to(query.dtype)
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+        cos, sin = self.cos_sin(positions, query.dtype)
+        return rotate(query, cos, sin), rotate(key, cos, sin)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated by cos/sin [T, 1, D/2] (rotate-half layout)."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 

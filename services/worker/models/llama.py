@@ -17,7 +17,7 @@ from services.worker.layers.attention import Attention
 from services.worker.layers.embedding import LMHead, VocabEmbedding
 from services.worker.layers.layernorm import RMSNorm
 from services.worker.layers.linear import Linear, MergedLinear, QKVLinear
-from services.worker.layers.rotary_embedding import get_rope
+from services.worker.layers.rotary_embedding import get_rope, rotate
 
 
 def _rope_parameters(config) -> dict:
@@ -39,14 +39,16 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = get_rope(self.head_dim, config.max_position_embeddings, _rope_parameters(config))
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, backend)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor,
+                attn_metadata: Any) -> torch.Tensor:
+        """`rope`: this step's (cos, sin) from `rotary_emb.cos_sin`, the same for every layer."""
         num_tokens = hidden_states.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
-        q, k = self.rotary_emb(
-            positions,
-            q.view(num_tokens, self.num_heads, self.head_dim),
-            k.view(num_tokens, self.num_kv_heads, self.head_dim),
-        )
+        qkv = self.qkv_proj(hidden_states)
+        # q and k sit side by side in the fused output: rotate them in one pass.
+        num_qk_heads = self.num_heads + self.num_kv_heads
+        qk = rotate(qkv[:, : num_qk_heads * self.head_dim].view(num_tokens, num_qk_heads, self.head_dim), *rope)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, num_qk_heads * self.head_dim :]
         return self.o_proj(self.attn(q, k, v, attn_metadata))
 
 
@@ -69,14 +71,14 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, hidden_states, residual, attn_metadata):
+    def forward(self, rope, hidden_states, residual, attn_metadata):
         # The residual add is fused into the next norm: (norm(x + r), x + r).
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, attn_metadata)
+        hidden_states = self.self_attn(rope, hidden_states, attn_metadata)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -92,8 +94,9 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, attn_metadata) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None
+        rope = self.layers[0].self_attn.rotary_emb.cos_sin(positions, hidden_states.dtype)
         for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
+            hidden_states, residual = layer(rope, hidden_states, residual, attn_metadata)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
