@@ -15,9 +15,9 @@ from services.common.flags import add_common_flags, env_name
 
 SERVICES = ("frontend", "scheduler", "worker")
 
-# Flags the manifests use before the services have them (docs/deploy.md, "Assumptions"): the
-# metrics ports. A check below turns strict for a flag as soon as its service defines it.
-PENDING_FLAGS: dict[str, dict[str, Any]] = {
+# Flags whose defaults the manifests rely on (docs/deploy.md, "Assumptions"): the metrics ports.
+# A check below insists that the service defines each one with this default.
+ASSUMED_FLAGS: dict[str, dict[str, Any]] = {
     "scheduler": {"SPINDLE_METRICS_PORT": 9092},
     "worker": {"SPINDLE_METRICS_PORT": 9093},
 }

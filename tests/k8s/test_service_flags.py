@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.k8s.manifests import OVERLAYS, Rendered, addr_port, container_ports, rendered
-from tests.k8s.service_flags import PENDING_FLAGS, SERVICES, flag_defaults, parse_config
+from tests.k8s.service_flags import ASSUMED_FLAGS, SERVICES, flag_defaults, parse_config
 
 pytestmark = pytest.mark.parametrize("overlay", OVERLAYS)
 
@@ -38,7 +38,7 @@ def test_every_spindle_variable_is_a_flag_of_its_service(overlay):
     r = rendered(overlay)
     for pod, container in r.spindle_containers():
         service = service_of(container)
-        known = set(flag_defaults(service)) | set(PENDING_FLAGS.get(service, {}))
+        known = set(flag_defaults(service)) | set(ASSUMED_FLAGS.get(service, {}))
         own = {v["name"] for v in container.get("env", []) if v["name"].startswith("SPINDLE_")}
         assert own <= known, f"{pod.owner}/{container['name']}: not flags of {service}: {own - known}"
         for source in container.get("envFrom", []):
@@ -47,12 +47,11 @@ def test_every_spindle_variable_is_a_flag_of_its_service(overlay):
             assert shared <= every_flag, f"shared settings that no service reads: {shared - every_flag}"
 
 
-def test_pending_flags_match_the_defaults_they_assume(overlay):
-    """Once a service defines a flag listed as pending, its default must be the one assumed."""
-    for service, flags in PENDING_FLAGS.items():
+def test_assumed_flags_exist_with_the_defaults_assumed(overlay):
+    for service, flags in ASSUMED_FLAGS.items():
         for variable, assumed in flags.items():
-            if variable in flag_defaults(service):
-                assert flag_defaults(service)[variable] == assumed, (service, variable)
+            assert variable in flag_defaults(service), (service, variable)
+            assert flag_defaults(service)[variable] == assumed, (service, variable)
 
 
 def test_containers_configs_parse(overlay):
@@ -86,9 +85,9 @@ def test_metrics_ports_are_declared(overlay):
     for pod, container in r.spindle_containers():
         service = service_of(container)
         env = r.environment(container)
-        if service in PENDING_FLAGS:
+        if service in ASSUMED_FLAGS:
             port = int(env["SPINDLE_METRICS_PORT"])
-            assert port == PENDING_FLAGS[service]["SPINDLE_METRICS_PORT"]
+            assert port == ASSUMED_FLAGS[service]["SPINDLE_METRICS_PORT"]
             assert container_ports(container).get(f"{'sched' if service == 'scheduler' else service}-metrics") == port
 
 

@@ -1,0 +1,45 @@
+"""Building and loading the compiled CPU decode kernel: cache, prebuilt libraries, fallbacks."""
+from __future__ import annotations
+
+import torch
+
+from services.worker.attention import cpu_decode
+
+
+def _no_compiler(monkeypatch):
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(cpu_decode.shutil, "which", lambda name: None)
+
+
+def test_builds_once_then_reuses_the_cached_library(tmp_path, monkeypatch):
+    assert cpu_decode.load_paged_decode(tmp_path) is not None
+    libraries = list((tmp_path / "kernels").glob("paged_decode-*.so"))
+    assert len(libraries) == 1
+    _no_compiler(monkeypatch)  # a second load must not need the compiler
+    kernel = cpu_decode.load_paged_decode(tmp_path)
+    assert kernel is not None and kernel.supports(torch.float32) and kernel.supports(torch.bfloat16)
+    assert not kernel.supports(torch.float16)
+
+
+def test_prebuilt_portable_library_loads_without_a_compiler(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPINDLE_CPU_KERNEL_MARCH", "x86-64-v3")  # what the CPU image bakes in
+    assert cpu_decode.load_paged_decode(tmp_path) is not None
+    _no_compiler(monkeypatch)
+    assert cpu_decode.load_paged_decode(tmp_path) is not None
+
+
+def test_cpu_without_the_target_features_falls_back(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPINDLE_CPU_KERNEL_MARCH", "x86-64-v3")
+    monkeypatch.setattr(cpu_decode, "_cpu_flags", lambda: {"sse2"})
+    assert cpu_decode.load_paged_decode(tmp_path) is None
+    assert not (tmp_path / "kernels").exists()
+
+
+def test_no_compiler_and_no_library_falls_back(tmp_path, monkeypatch):
+    _no_compiler(monkeypatch)
+    assert cpu_decode.load_paged_decode(tmp_path) is None
+
+
+def test_failed_build_falls_back(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    assert cpu_decode.load_paged_decode(tmp_path) is None
