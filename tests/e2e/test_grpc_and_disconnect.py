@@ -35,8 +35,9 @@ LONG = dict(max_tokens=1000, ignore_eos=True)  # runs until aborted
 def cluster(tmp_path_factory):
     c = SpindleCluster(tmp_path_factory.mktemp("logs"), env={
         "SPINDLE_KV_CACHE_BYTES": str(256 * 2**20), "SPINDLE_MAX_MODEL_LEN": "2048", "SPINDLE_NUM_THREADS": "1",
-        # Small limits so that a full queue is easy to reach.
-        "SPINDLE_MAX_NUM_SEQS": "2", "SPINDLE_MAX_NUM_WAITING_REQUESTS": "1",
+        # Small limits so that a full queue is easy to reach. Two waiting places: the n=2 request's
+        # two engine requests may reach the queue in the same engine step.
+        "SPINDLE_MAX_NUM_SEQS": "2", "SPINDLE_MAX_NUM_WAITING_REQUESTS": "2",
     })
     try:
         yield c.start()
@@ -212,15 +213,17 @@ def test_full_queue_is_429_and_resource_exhausted(cluster):
             running = [await stream(), await stream()]  # the two running slots
             for s in running:
                 await anext(aiter(s))
-            waiting = asyncio.create_task(stream())  # headers only come with its first chunk
-            assert await asyncio.to_thread(wait_until, lambda: stats(cluster)["num_waiting_reqs"] == 1)
+            # Headers only come with a stream's first chunk, so these stay pending while they wait.
+            waiting = [asyncio.create_task(stream()) for _ in range(2)]
+            assert await asyncio.to_thread(wait_until, lambda: stats(cluster)["num_waiting_reqs"] == 2)
             with pytest.raises(openai.RateLimitError) as http_error:
                 await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
             async with grpc.aio.insecure_channel(cluster.frontend_grpc_addr) as channel:
                 grpc_stub = generate_pb2_grpc.GenerateServiceStub(channel)
                 with pytest.raises(grpc.aio.AioRpcError) as grpc_error:
                     [r async for r in grpc_stub.Generate(generate_request(text=PROMPT))]
-            waiting.cancel()
+            for task in waiting:
+                task.cancel()
             for s in running:
                 await s.close()
             return http_error.value, grpc_error.value
