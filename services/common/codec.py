@@ -9,6 +9,7 @@ because a sub-message per request per step costs far more to build and parse tha
 """
 from __future__ import annotations
 
+import dataclasses
 from itertools import accumulate, chain
 
 from services.common import messages as m
@@ -195,17 +196,14 @@ def split_column(flat: list[int], counts: list[int]) -> list[list[int]]:
     return [flat[end - n:end] for n, end in zip(counts, accumulate(counts))]
 
 
+def flat_from_pb(cls, msg):
+    """A dataclass of scalar fields from the message with the same field names (the `**vars` inverse)."""
+    return cls(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(cls)})
+
+
 def engine_info_to_pb(info: m.EngineInfo) -> ec_pb.GetEngineInfoResponse:
     return ec_pb.GetEngineInfoResponse(**vars(info))
 
 
 def engine_info_from_pb(msg: ec_pb.GetEngineInfoResponse) -> m.EngineInfo:
-    return m.EngineInfo(
-        model_name=msg.model_name,
-        max_model_len=msg.max_model_len,
-        block_size=msg.block_size,
-        num_gpu_blocks=msg.num_gpu_blocks,
-        device=msg.device,
-        dtype=msg.dtype,
-        vocab_size=msg.vocab_size,
-    )
+    return flat_from_pb(m.EngineInfo, msg)

@@ -9,6 +9,7 @@ from itertools import chain
 
 from services.common import messages as m
 from services.common.codec import (
+    flat_from_pb,
     sampling_params_from_pb,
     sampling_params_to_pb,
     split_column,
@@ -151,13 +152,4 @@ def kv_cache_spec_to_pb(spec: m.KVCacheSpec) -> w_pb.DescribeKVCacheResponse:
 
 
 def kv_cache_spec_from_pb(msg: w_pb.DescribeKVCacheResponse) -> m.KVCacheSpec:
-    return m.KVCacheSpec(
-        block_size=msg.block_size,
-        num_blocks=msg.num_blocks,
-        block_bytes=msg.block_bytes,
-        max_model_len=msg.max_model_len,
-        model_name=msg.model_name,
-        device=msg.device,
-        dtype=msg.dtype,
-        vocab_size=msg.vocab_size,
-    )
+    return flat_from_pb(m.KVCacheSpec, msg)

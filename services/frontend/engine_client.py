@@ -3,8 +3,8 @@
 Requests and aborts go out on the stream; one EngineCoreOutputs per engine step comes back and is
 dispatched to per-request queues. A request that only wants its final output (non-streaming, no stop
 strings) is not woken every step: its outputs are held here and handed over merged when it finishes,
-so a step costs such a request one list append instead of a task wake-up. When the scheduler goes away, every in-flight request fails with
-an "unavailable" error and the client reconnects with back-off.
+so a step costs such a request one list append instead of a task wake-up. When the scheduler goes
+away, every in-flight request fails with an "unavailable" error and the client reconnects with back-off.
 """
 from __future__ import annotations
 

@@ -106,15 +106,13 @@ class KVCacheManager:
         Returns None (and changes nothing) when the free blocks do not suffice.
         `computed_blocks` are prefix-cache hits, passed only when the request is first scheduled.
         """
-        if not computed_blocks:  # the decode step: usually the held blocks have room already
-            held = self.req_to_blocks.get(request.request_id)
-            if held is not None and -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) <= len(held):
-                return []
         computed_blocks = computed_blocks or []
         held = self.req_to_blocks.get(request.request_id, [])
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         num_required = self.num_blocks_for(num_computed + num_new_tokens)
         num_new_blocks = num_required - len(held) - len(computed_blocks)
+        if num_new_blocks <= 0 and not computed_blocks:
+            return []  # the usual decode step: the held blocks have room
         num_evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         if num_new_blocks > self.block_pool.num_free_blocks - num_evictable_hits:
             return None

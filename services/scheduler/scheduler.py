@@ -6,6 +6,8 @@ requests. Chunked prefill, decode and prefix-cache hits all fall out of that rul
 """
 from __future__ import annotations
 
+from itertools import chain
+
 from services.common.messages import (
     CachedRequestData,
     EngineCoreOutput,
@@ -164,9 +166,7 @@ class Scheduler:
 
         output = self._build_output(scheduled_new, scheduled_resumed, scheduled_running, num_scheduled,
                                     new_block_ids, preempted)
-        for request in scheduled_running:
-            request.num_computed_tokens += num_scheduled[request.request_id]
-        for request in scheduled_new + scheduled_resumed:
+        for request in chain(scheduled_running, scheduled_new, scheduled_resumed):
             request.num_computed_tokens += num_scheduled[request.request_id]
         self.finished_req_ids = set()
         self.num_steps += 1
@@ -199,9 +199,7 @@ class Scheduler:
                     self.running.remove(request)
                     self._finish(request, reason)
                     break
-            events = request.events
-            if events:
-                request.events = []
+            events = request.take_events()
             if new_token_ids or events or request.status == finished:
                 outputs.append(EngineCoreOutput(
                     req_id, new_token_ids, [lp] if (lp is not None and new_token_ids) else [],

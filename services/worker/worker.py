@@ -117,7 +117,9 @@ class Worker:
             return TorchAttentionBackend(), None
         if self.device.type != "cuda":
             kernel = load_paged_decode(Path(self.config.cache_dir) if self.config.cache_dir else None)
-            return (CpuAttentionBackend(kernel) if kernel else TorchAttentionBackend()), None
+            if kernel is None or not kernel.supports(self.dtype):  # the KV cache has the model's dtype
+                return TorchAttentionBackend(), None
+            return CpuAttentionBackend(kernel), None
         from services.worker.attention.cupy_backend import CupyAttentionBackend
         from services.worker.cuda_sampler import CudaSampler
         from services.worker.kernels.loader import CupyLauncher

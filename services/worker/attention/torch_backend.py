@@ -10,6 +10,7 @@ A step's batch splits in two groups, planned once per step:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,12 @@ class PrefillSlice:
 
 
 @dataclass(frozen=True)
+class TorchDecodeMetadata:
+    block_ids: torch.Tensor  # [B_d * num_blocks] flattened padded block tables
+    mask: torch.Tensor  # [B_d, 1, 1, num_blocks * block_size] True = attend
+
+
+@dataclass(frozen=True)
 class TorchAttentionMetadata:
     slot_mapping: torch.Tensor
     block_size: int
@@ -33,8 +40,7 @@ class TorchAttentionMetadata:
     # decodes
     is_all_decode: bool  # then decode i is token i, and no gather/scatter of queries is needed
     decode_token_indices: torch.Tensor | None  # [B_d] positions in the flat batch
-    decode_block_ids: torch.Tensor | None  # [B_d * num_blocks] flattened padded block tables
-    decode_mask: torch.Tensor | None  # [B_d, 1, 1, num_blocks * block_size] True = attend
+    decode: Any  # what this backend's `_decode` reads (from `_decode_metadata`); None without decodes
     # prefills, in batch order
     prefills: tuple[PrefillSlice, ...]
 
@@ -46,16 +52,18 @@ class TorchAttentionBackend(AttentionBackend):
         bs = common.block_size
         starts = common.query_start_loc.tolist()
         decode_reqs = [i for i, n in enumerate(common.query_lens_cpu) if n == 1]
-        decode_token_indices = decode_block_ids = decode_mask = None
+        is_all_decode = len(decode_reqs) == common.num_reqs
+        decode_token_indices = decode = None
         if decode_reqs:
-            max_seq_len = max(common.seq_lens_cpu[i] for i in decode_reqs)
-            num_blocks = -(-max_seq_len // bs)
             idx = torch.tensor(decode_reqs, dtype=torch.long, device=common.seq_lens.device)
             decode_token_indices = common.query_start_loc[idx]
-            decode_block_ids = common.block_table[idx, :num_blocks].reshape(-1)
-            seq_lens = common.seq_lens[idx]
-            key_positions = torch.arange(num_blocks * bs, device=seq_lens.device)
-            decode_mask = (key_positions[None, :] < seq_lens[:, None])[:, None, None, :]
+            max_seq_len = max(common.seq_lens_cpu[i] for i in decode_reqs)
+            num_blocks = -(-max_seq_len // bs)
+            if is_all_decode:
+                block_table, seq_lens = common.block_table[:, :num_blocks], common.seq_lens
+            else:
+                block_table, seq_lens = common.block_table[idx, :num_blocks], common.seq_lens[idx]
+            decode = self._decode_metadata(block_table, seq_lens, max_seq_len, bs)
         prefills = []
         for i, n in enumerate(common.query_lens_cpu):
             if n <= 1:
@@ -68,12 +76,18 @@ class TorchAttentionBackend(AttentionBackend):
             slot_mapping=common.slot_mapping,
             block_size=bs,
             num_tokens=common.num_tokens,
-            is_all_decode=len(decode_reqs) == common.num_reqs,
+            is_all_decode=is_all_decode,
             decode_token_indices=decode_token_indices,
-            decode_block_ids=decode_block_ids,
-            decode_mask=decode_mask,
+            decode=decode,
             prefills=tuple(prefills),
         )
+
+    def _decode_metadata(self, block_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+                         block_size: int) -> Any:
+        """Once per step, from the decodes' block table rows [B_d, num_blocks] and lengths [B_d]."""
+        key_positions = torch.arange(block_table.shape[1] * block_size, device=seq_lens.device)
+        mask = (key_positions[None, :] < seq_lens[:, None])[:, None, None, :]
+        return TorchDecodeMetadata(block_table.reshape(-1), mask)
 
     def forward(self, query, key, value, kv_cache, metadata: TorchAttentionMetadata, scale):
         num_kv_heads, head_dim = key.shape[1], key.shape[2]
@@ -108,9 +122,9 @@ def _decode(query, key_cache, value_cache, m: TorchAttentionMetadata, scale) -> 
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     q = query if m.is_all_decode else query[m.decode_token_indices]
     q = q.view(num_reqs, num_kv_heads, -1, head_dim)  # [B, H_kv, G, D]
-    k = _gather(key_cache, m.decode_block_ids, num_reqs)
-    v = _gather(value_cache, m.decode_block_ids, num_reqs)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=m.decode_mask, scale=scale)
+    k = _gather(key_cache, m.decode.block_ids, num_reqs)
+    v = _gather(value_cache, m.decode.block_ids, num_reqs)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=m.decode.mask, scale=scale)
     return out.reshape(num_reqs, -1)
 
 

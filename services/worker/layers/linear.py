@@ -33,11 +33,10 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
         self.packed_weight: torch.Tensor | None = None  # oneDNN layout, after prepack()
 
-    def prepack(self, keep_weight: bool = False) -> None:
-        """Repacks the float32 CPU weight for oneDNN; the plain copy is freed unless kept."""
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
-        if not keep_weight:
-            self.weight.data = self.weight.data.new_empty(0)
+    def prepack(self) -> None:
+        """Repacks the float32 CPU weight for oneDNN and frees the plain copy."""
+        self.packed_weight = pack_weight(self.weight)
+        self.weight.data = self.weight.data.new_empty(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:
@@ -83,21 +82,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x W^T (+ b) for x [T, in] and W [out, in], in the dtype of x."""
     if weight.dtype == torch.float32 or weight.device.type != "cpu" or x.shape[0] <= MAX_NATIVE_16BIT_ROWS:
         return F.linear(x, weight, bias)
-    return chunked_linear(x, weight, bias, WIDEN_CHUNK_ROWS)
-
-
-def chunked_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunk_rows: int
-) -> torch.Tensor:
-    """x [M, in] @ W^T as one float32 matmul per `chunk_rows` rows of W, widening 16-bit inputs."""
+    # One float32 matmul per chunk of weight rows, widened while it is in cache.
     x32 = x.float()
     out = x32.new_empty(x.shape[0], weight.shape[0])
-    for start in range(0, weight.shape[0], chunk_rows):
-        end = start + chunk_rows
+    for start in range(0, weight.shape[0], WIDEN_CHUNK_ROWS):
+        end = start + WIDEN_CHUNK_ROWS
         torch.mm(x32, weight[start:end].float().t(), out=out[:, start:end])
     if bias is not None:
         out += bias
     return out.to(x.dtype)
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 CPU weight [out, in] in oneDNN's blocked layout, for `packed_linear`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
 def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
