@@ -40,7 +40,7 @@ class WorkerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     num_threads: int | None = None  # None: torch's default
-    attention_backend: str = "auto"  # auto: CUDA kernels on a GPU, compiled decode kernel on a CPU; torch
+    attention_backend: str = "auto"  # auto: CUDA kernels on a GPU, compiled kernels on a CPU; torch
     log_level: str = "INFO"
     shutdown_timeout: float = 30.0
     fake_model: bool = False  # no weights; each step returns a fixed token (engine-overhead benchmark)
@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--max-num-seqs", type=int, default=256, help="most requests in one step")
     add_flag(parser, "--num-threads", type=int, help="torch intra-op threads (default: torch's choice)")
     add_flag(parser, "--attention-backend", default="auto", choices=["auto", "torch"],
-             help="auto: CUDA kernels on a GPU, the compiled paged-decode kernel on a CPU; torch: PyTorch only")
+             help="auto: CUDA kernels on a GPU, the compiled CPU kernels (paged decode, fused norm and "
+                  "activation) on a CPU; torch: PyTorch only")
     add_flag(parser, "--fake-model", type=bool, default=False,
              help="load no weights; every step returns a fixed token at once (measures engine overhead)")
     add_telemetry_flags(parser, default_metrics_port=9093)

@@ -4,6 +4,7 @@ Synchronous and gRPC-free; the server calls it from one dedicated thread.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from pathlib import Path
@@ -13,10 +14,12 @@ import torch
 from services.common.messages import KVCacheSpec, ModelRunnerOutput, SchedulerOutput
 from services.common.model_files import resolve_model
 from services.worker.attention.cpu_backend import CpuAttentionBackend
-from services.worker.attention.cpu_decode import load_paged_decode
+from services.worker.attention.cpu_decode import PagedDecodeKernel
 from services.worker.attention.torch_backend import TorchAttentionBackend
 from services.worker.config import RunnerConfig, WorkerConfig, resolve_device, resolve_dtype
+from services.worker.cpu_kernels import load_cpu_kernels
 from services.worker.kv_cache import KVCacheLayout, num_blocks_for_budget
+from services.worker.layers.fused_ops import FusedOps, use_fused_ops
 from services.worker.model_loader import load_config, load_model
 from services.worker.model_runner import ModelRunner
 
@@ -73,8 +76,11 @@ class Worker:
         logger.info("loading weights from %s (%s, %s)", resolved.path, self.device, _dtype_name(self.dtype))
         hf_config = load_config(resolved.path)
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-        backend, sampler = self._attention_and_sampler(head_dim)
+        cpu_kernels = self._cpu_kernels()
+        backend, sampler = self._attention_and_sampler(head_dim, cpu_kernels)
         model = load_model(resolved.path, self.dtype, self.device, backend, config=hf_config)
+        if cpu_kernels is not None:
+            logger.info("fused CPU kernels in %d modules", use_fused_ops(model, FusedOps(cpu_kernels)))
         runner_config = RunnerConfig(
             block_size=self.config.block_size,
             max_model_len=resolve_max_model_len(hf_config, self.config.max_model_len),
@@ -109,15 +115,21 @@ class Worker:
             vocab_size=hf_config.vocab_size,
         )
 
-    def _attention_and_sampler(self, head_dim: int):
-        """On a CPU, PyTorch with decode tokens on the compiled kernel (plain PyTorch if it does not
-        build); on a GPU the CUDA kernels (PyTorch attention for head sizes the kernels lack).
+    def _cpu_kernels(self) -> ctypes.CDLL | None:
+        """The compiled CPU kernels, on a CPU unless --attention-backend torch (None: PyTorch only)."""
+        if self.config.attention_backend == "torch" or self.device.type == "cuda":
+            return None
+        return load_cpu_kernels(Path(self.config.cache_dir) if self.config.cache_dir else None)
+
+    def _attention_and_sampler(self, head_dim: int, cpu_kernels: ctypes.CDLL | None):
+        """On a CPU, PyTorch with decode tokens on the compiled kernel (plain PyTorch without it);
+        on a GPU the CUDA kernels (PyTorch attention for head sizes the kernels lack).
         None keeps the runner's default sampler."""
         if self.config.attention_backend == "torch":
             return TorchAttentionBackend(), None
         if self.device.type != "cuda":
-            kernel = load_paged_decode(Path(self.config.cache_dir) if self.config.cache_dir else None)
-            if kernel is None or not kernel.supports(self.dtype):  # the KV cache has the model's dtype
+            kernel = PagedDecodeKernel(cpu_kernels) if cpu_kernels is not None else None
+            if kernel is None or not kernel.supports(self.dtype, head_dim):  # the KV cache has the model's dtype
                 return TorchAttentionBackend(), None
             return CpuAttentionBackend(kernel), None
         from services.worker.attention.cupy_backend import CupyAttentionBackend

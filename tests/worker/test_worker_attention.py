@@ -70,10 +70,13 @@ def test_mixed_batch_matches_dense_reference(backend):
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,dim,bs", [(9, 3, 64, 16), (8, 8, 128, 8), (16, 2, 64, 16), (4, 1, 32, 4)])
-def test_decode_kernel_matches_torch_decode(decode_kernel, cache_dtype, heads, kv_heads, dim, bs):
-    """All-decode batches with scattered block tables, padded rows and a one-token context."""
+@pytest.mark.parametrize("num_reqs", [5, 1])
+def test_decode_kernel_matches_torch_decode(decode_kernel, cache_dtype, heads, kv_heads, dim, bs, num_reqs):
+    """All-decode batches with scattered block tables, padded rows and a one-token context; one
+    request alone runs without the thread team."""
     torch.manual_seed(heads * dim + bs)
-    num_blocks, seq_lens = 64, [1, 37, bs, 5 * bs + 3, 2 * bs - 1]
+    num_blocks = 64
+    seq_lens = [1, 37, bs, 5 * bs + 3, 2 * bs - 1] if num_reqs > 1 else [20 * bs + 5]
     cache = torch.randn(2, num_blocks, bs, kv_heads, dim).to(cache_dtype)
     max_blocks = -(-max(seq_lens) // bs) + 1  # one padding column, pointing at the null block
     table = torch.zeros(len(seq_lens), max_blocks, dtype=torch.long)

@@ -1,24 +1,26 @@
-"""Building and loading the compiled CPU decode kernel: cache, prebuilt libraries, fallbacks."""
+"""Building and loading the compiled CPU kernels: cache, prebuilt libraries, fallbacks."""
 from __future__ import annotations
 
 import torch
 
+from services.worker import cpu_kernels
 from services.worker.attention import cpu_decode
 
 
 def _no_compiler(monkeypatch):
     monkeypatch.delenv("CC", raising=False)
-    monkeypatch.setattr(cpu_decode.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
 
 
 def test_builds_once_then_reuses_the_cached_library(tmp_path, monkeypatch):
     assert cpu_decode.load_paged_decode(tmp_path) is not None
-    libraries = list((tmp_path / "kernels").glob("paged_decode-*.so"))
+    libraries = list((tmp_path / "kernels").glob("cpu_kernels-*.so"))
     assert len(libraries) == 1
     _no_compiler(monkeypatch)  # a second load must not need the compiler
     kernel = cpu_decode.load_paged_decode(tmp_path)
-    assert kernel is not None and kernel.supports(torch.float32) and kernel.supports(torch.bfloat16)
-    assert not kernel.supports(torch.float16)
+    assert kernel is not None and kernel.supports(torch.float32, 64) and kernel.supports(torch.bfloat16, 128)
+    assert not kernel.supports(torch.float16, 64)
+    assert not kernel.supports(torch.float32, 60) and not kernel.supports(torch.float32, 512)
 
 
 def test_prebuilt_portable_library_loads_without_a_compiler(tmp_path, monkeypatch):
@@ -30,7 +32,7 @@ def test_prebuilt_portable_library_loads_without_a_compiler(tmp_path, monkeypatc
 
 def test_cpu_without_the_target_features_falls_back(tmp_path, monkeypatch):
     monkeypatch.setenv("SPINDLE_CPU_KERNEL_MARCH", "x86-64-v3")
-    monkeypatch.setattr(cpu_decode, "_cpu_flags", lambda: {"sse2"})
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: {"sse2"})
     assert cpu_decode.load_paged_decode(tmp_path) is None
     assert not (tmp_path / "kernels").exists()
 

@@ -9,7 +9,13 @@ from torch import nn
 class SiluAndMul(nn.Module):
     """silu(gate) * up for x = [gate | up] along the last dimension (Llama's SwiGLU MLP)."""
 
+    def __init__(self):
+        super().__init__()
+        self.fused_ops = None  # the compiled CPU kernels (layers/fused_ops.py), when the worker has them
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_ops is not None and self.fused_ops.supports(x):
+            return self.fused_ops.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

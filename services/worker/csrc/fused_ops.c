@@ -1,0 +1,117 @@
+/* Fused element-wise layers for the CPU model: each replaces several PyTorch operations, and so
+ * several passes over the activations and several dispatches per layer.
+ *
+ * - add_rms_norm: residual += x, then x = rms_norm(residual) * weight (both in place);
+ * - rms_norm: out = rms_norm(x) * weight;
+ * - silu_and_mul: out[t] = silu(x[t, :n]) * x[t, n:].
+ * Rows are [num_tokens, hidden] and contiguous; float32 or bfloat16 (raw uint16) storage, float32
+ * arithmetic, and bfloat16 results rounded to nearest even where PyTorch rounds, so the bfloat16
+ * results equal PyTorch's op for op. Rows are split over OpenMP threads when there are enough.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "vec.h"
+
+/* Below this many elements a thread team costs more than it saves. */
+#define MIN_PARALLEL_ELEMENTS 32768
+
+static inline float bf16_to_f32(uint16_t x) {
+  const uint32_t bits = (uint32_t)x << 16;
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+  uint32_t bits;
+  memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN stays NaN */
+  return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+#define LOAD_F32(p) (p)
+#define STORE_F32(x) (x)
+#define ROUND_F32(x) (x)
+#define LOAD_BF16(p) bf16_to_f32(p)
+#define STORE_BF16(x) f32_to_bf16(x)
+#define ROUND_BF16(x) bf16_to_f32(f32_to_bf16(x))
+
+/* PyTorch's order: normed = (x * rsqrt(mean(x^2) + eps)) rounded to the storage type, then
+ * weight * normed rounded again. */
+#define DEFINE_NORM(SUFFIX, T, LOAD, STORE, ROUND)                                               \
+  void add_rms_norm_##SUFFIX(T *x, T *residual, const T *weight, int64_t num_tokens,             \
+                             int64_t hidden, float eps) {                                        \
+    _Pragma("omp parallel for schedule(static) if(num_tokens * hidden >= MIN_PARALLEL_ELEMENTS)")\
+    for (int64_t t = 0; t < num_tokens; t++) {                                                   \
+      T *xr = x + t * hidden, *rr = residual + t * hidden;                                       \
+      float sum_sq = 0.f;                                                                        \
+      _Pragma("omp simd reduction(+:sum_sq)")                                                    \
+      for (int64_t i = 0; i < hidden; i++) {                                                     \
+        const float r = ROUND(LOAD(xr[i]) + LOAD(rr[i]));                                        \
+        rr[i] = STORE(r);                                                                        \
+        sum_sq += r * r;                                                                         \
+      }                                                                                          \
+      const float inv_rms = 1.f / sqrtf(sum_sq / (float)hidden + eps);                          \
+      _Pragma("omp simd")                                                                        \
+      for (int64_t i = 0; i < hidden; i++)                                                       \
+        xr[i] = STORE(LOAD(weight[i]) * ROUND(LOAD(rr[i]) * inv_rms));                           \
+    }                                                                                            \
+  }                                                                                              \
+                                                                                                 \
+  void rms_norm_##SUFFIX(const T *x, T *out, const T *weight, int64_t num_tokens, int64_t hidden,\
+                         float eps) {                                                            \
+    _Pragma("omp parallel for schedule(static) if(num_tokens * hidden >= MIN_PARALLEL_ELEMENTS)")\
+    for (int64_t t = 0; t < num_tokens; t++) {                                                   \
+      const T *xr = x + t * hidden;                                                              \
+      T *o = out + t * hidden;                                                                   \
+      float sum_sq = 0.f;                                                                        \
+      _Pragma("omp simd reduction(+:sum_sq)")                                                    \
+      for (int64_t i = 0; i < hidden; i++) sum_sq += LOAD(xr[i]) * LOAD(xr[i]);                  \
+      const float inv_rms = 1.f / sqrtf(sum_sq / (float)hidden + eps);                           \
+      _Pragma("omp simd")                                                                        \
+      for (int64_t i = 0; i < hidden; i++) o[i] = STORE(LOAD(weight[i]) * ROUND(LOAD(xr[i]) * inv_rms)); \
+    }                                                                                            \
+  }
+
+/* silu(g) = g * sigmoid(g), with e^-|g| from exp_nonpositive so no exponent can overflow;
+ * rounded to the storage type before the product, as PyTorch does. */
+static inline v8f silu8(v8f g) {
+  const v8i negative = g < 0.0f;
+  v8f minus_abs = g;
+  v8i bits;
+  memcpy(&bits, &minus_abs, sizeof bits);
+  bits |= (v8i){0} + (int32_t)0x80000000; /* -|g| */
+  memcpy(&minus_abs, &bits, sizeof bits);
+  const v8f e = exp_nonpositive(minus_abs);
+  const v8f positive_sigmoid = 1.0f / (1.0f + e), negative_sigmoid = e / (1.0f + e);
+  v8i ps, ns;
+  memcpy(&ps, &positive_sigmoid, sizeof ps);
+  memcpy(&ns, &negative_sigmoid, sizeof ns);
+  const v8i si = (ps & ~negative) | (ns & negative);
+  v8f sigmoid;
+  memcpy(&sigmoid, &si, sizeof sigmoid);
+  return g * sigmoid;
+}
+
+#define DEFINE_SILU(SUFFIX, T, LOAD, STORE, ROUND, LOAD8, STORE8, ROUND8)                                               \
+  void silu_and_mul_##SUFFIX(const T *x, T *out, int64_t num_tokens, int64_t n) {                \
+    _Pragma("omp parallel for schedule(static) if(num_tokens * n >= MIN_PARALLEL_ELEMENTS)")     \
+    for (int64_t t = 0; t < num_tokens; t++) {                                                   \
+      const T *gate = x + t * 2 * n, *up = gate + n;                                             \
+      T *o = out + t * n;                                                                        \
+      int64_t i = 0;                                                                             \
+      for (; i + 8 <= n; i += 8)                                                                 \
+        STORE8(o + i, ROUND8(ROUND8(silu8(LOAD8(gate + i))) * LOAD8(up + i)));                   \
+      for (; i < n; i++) {                                                                       \
+        const float g = LOAD(gate[i]);                                                           \
+        o[i] = STORE(ROUND(g / (1.f + expf(-g))) * LOAD(up[i]));                                 \
+      }                                                                                          \
+    }                                                                                            \
+  }
+
+DEFINE_NORM(f32, float, LOAD_F32, STORE_F32, ROUND_F32)
+DEFINE_NORM(bf16, uint16_t, LOAD_BF16, STORE_BF16, ROUND_BF16)
+DEFINE_SILU(f32, float, LOAD_F32, STORE_F32, ROUND_F32, load_f32, store_f32, identity)
+DEFINE_SILU(bf16, uint16_t, LOAD_BF16, STORE_BF16, ROUND_BF16, load_bf16, store_bf16, round_bf16)

@@ -1,0 +1,90 @@
+/* 8-lane float vectors for the CPU kernels (GCC vector extensions: the compiler lowers them to
+ * AVX2, AVX-512 or NEON; nothing here names an instruction set). */
+#ifndef SPINDLE_VEC_H
+#define SPINDLE_VEC_H
+
+#include <stdint.h>
+#include <string.h>
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
+static inline v8f load_f32(const float *p) {
+  v8f v;
+  memcpy(&v, p, sizeof v); /* no alignment assumed */
+  return v;
+}
+
+static inline v8f load_bf16(const uint16_t *p) {
+  v8h h;
+  memcpy(&h, p, sizeof h);
+  const v8u bits = __builtin_convertvector(h, v8u) << 16; /* bfloat16 = a float32's top half */
+  v8f v;
+  memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+static inline float hsum(v8f v) {
+  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+/* e^x for x <= 0, 8 at a time, as Cephes' expf does it:
+ * x = n ln2 + r with n = round(x / ln2), e^r by a degree-7 polynomial (about 1 ulp),
+ * 2^n written into the exponent bits. x is clamped at -87, where e^x (1.6e-38) no longer
+ * changes a sum that holds a 1. */
+static inline v8f exp_nonpositive(v8f x) {
+  const v8i clamp = x < -87.0f;
+  const v8f low = (v8f){0} - 87.0f;
+  v8i xi, li;
+  memcpy(&xi, &x, sizeof x);
+  memcpy(&li, &low, sizeof low);
+  xi = (xi & ~clamp) | (li & clamp);
+  memcpy(&x, &xi, sizeof x);
+  const float shifter = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer in the low bits */
+  const v8f t = x * 1.44269504088896341f + shifter;
+  const v8f n = t - shifter;
+  const v8f r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  v8f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  v8i ti;
+  memcpy(&ti, &t, sizeof t);
+  const v8i shifter_bits = (v8i){0} + 0x4B400000; /* the bits of `shifter` */
+  const v8i scale_bits = (ti - shifter_bits + 127) << 23;
+  v8f scale;
+  memcpy(&scale, &scale_bits, sizeof scale);
+  return p * scale;
+}
+
+static inline void store_f32(float *p, v8f v) { memcpy(p, &v, sizeof v); }
+
+/* float32 -> bfloat16 bits, rounded to nearest even (NaN stays a quiet NaN), as PyTorch rounds. */
+static inline v8u bf16_bits(v8f v) {
+  v8u bits;
+  memcpy(&bits, &v, sizeof bits);
+  const v8i is_nan = v != v;
+  v8u rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+  const v8u nan = (v8u){0} + 0x7fc00000u;
+  return (rounded & ~(v8u)is_nan) | (nan & (v8u)is_nan);
+}
+
+static inline v8f round_bf16(v8f v) {
+  const v8u bits = bf16_bits(v);
+  v8f r;
+  memcpy(&r, &bits, sizeof r);
+  return r;
+}
+
+static inline void store_bf16(uint16_t *p, v8f v) {
+  const v8h h = __builtin_convertvector(bf16_bits(v) >> 16, v8h);
+  memcpy(p, &h, sizeof h);
+}
+
+static inline v8f identity(v8f v) { return v; }
+
+#endif
