@@ -97,7 +97,7 @@ def goal_rows(result: dict, spindle: str = "spindle") -> list[list[str]]:
                      if ours and theirs and theirs["output_throughput"] else None)
             measured = _fmt(ratio, ".2f", "n/a", "x")
             if ours and theirs and theirs["total_output_tokens"] < MIN_PEER_TOKENS:
-                ratio, measured = None, f"n/a ({label} made {theirs['total_output_tokens']} token(s) in the limit)"
+                ratio, measured = None, f"n/a ({label} made {theirs['total_output_tokens']:.0f} token(s) in the limit)"
             elif ours and theirs:
                 measured += f" ({ours['output_throughput']:.1f} vs {theirs['output_throughput']:.1f} tok/s)"
             rows.append([f"output tok/s at c={c} vs {label}", measured,
@@ -141,7 +141,12 @@ def render(result: dict) -> str:
         parts += ["", f"Prefix cache: {p['prefix_tokens']}-token shared prefix, {p['num_requests']} requests at c=1: "
                       f"TTFT median on {_fmt(p['on']['ttft_ms_median'])} ms, off {_fmt(p['off']['ttft_ms_median'])} ms"]
     load = result["machine"]
-    parts += ["", f"Goals (Spindle = '{result.get('spindle_reference', 'spindle')}'; load average "
-                  f"{load['loadavg_before'][0]:.2f} before, {load['loadavg_after'][0]:.2f} after, {load['cpus']} CPUs)",
-              table(GOAL_HEADERS, goal_rows(result, result.get("spindle_reference", "spindle")))]
+    reference = result.get("spindle_reference", "spindle")
+    # Every Spindle configuration that served gets its own goal table (the reference one first).
+    variants = [reference] + [s["name"] for s in result["servers"] if s["name"].startswith("spindle-")
+                              and s["name"] not in (reference, "spindle-fake") and not s.get("skip_reason")]
+    for name in variants:
+        parts += ["", f"Goals (Spindle = '{name}'; load average {load['loadavg_before'][0]:.2f} before, "
+                      f"{load['loadavg_after'][0]:.2f} after, {load['cpus']} CPUs)",
+                  table(GOAL_HEADERS, goal_rows(result, name))]
     return "\n".join(parts)
