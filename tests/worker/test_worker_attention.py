@@ -6,15 +6,16 @@ import torch
 
 from services.worker.attention.backend import CommonAttentionMetadata
 from services.worker.attention.cpu_backend import CpuAttentionBackend
-from services.worker.attention.cpu_decode import load_paged_decode
+from services.worker.attention.cpu_decode import PagedDecodeKernel
 from services.worker.attention.torch_backend import TorchAttentionBackend
+from services.worker.cpu_kernels import load_cpu_kernels
 
 
 @pytest.fixture(scope="module")
 def decode_kernel(tmp_path_factory):
-    kernel = load_paged_decode(tmp_path_factory.mktemp("kernels"))
-    assert kernel is not None, "the CPU decode kernel must build here (gcc is on every CI machine)"
-    return kernel
+    library = load_cpu_kernels(tmp_path_factory.mktemp("kernels"))
+    assert library is not None, "the CPU kernels must build here (gcc is on every CI machine)"
+    return PagedDecodeKernel(library)
 
 
 @pytest.fixture(params=["torch", "cpu"])

@@ -13,35 +13,37 @@ def _no_compiler(monkeypatch):
 
 
 def test_builds_once_then_reuses_the_cached_library(tmp_path, monkeypatch):
-    assert cpu_decode.load_paged_decode(tmp_path) is not None
+    assert cpu_kernels.load_cpu_kernels(tmp_path) is not None
     libraries = list((tmp_path / "kernels").glob("cpu_kernels-*.so"))
     assert len(libraries) == 1
     _no_compiler(monkeypatch)  # a second load must not need the compiler
-    kernel = cpu_decode.load_paged_decode(tmp_path)
-    assert kernel is not None and kernel.supports(torch.float32, 64) and kernel.supports(torch.bfloat16, 128)
+    library = cpu_kernels.load_cpu_kernels(tmp_path)
+    assert library is not None
+    kernel = cpu_decode.PagedDecodeKernel(library)
+    assert kernel.supports(torch.float32, 64) and kernel.supports(torch.bfloat16, 128)
     assert not kernel.supports(torch.float16, 64)
     assert not kernel.supports(torch.float32, 60) and not kernel.supports(torch.float32, 512)
 
 
 def test_prebuilt_portable_library_loads_without_a_compiler(tmp_path, monkeypatch):
     monkeypatch.setenv("SPINDLE_CPU_KERNEL_MARCH", "x86-64-v3")  # what the CPU image bakes in
-    assert cpu_decode.load_paged_decode(tmp_path) is not None
+    assert cpu_kernels.load_cpu_kernels(tmp_path) is not None
     _no_compiler(monkeypatch)
-    assert cpu_decode.load_paged_decode(tmp_path) is not None
+    assert cpu_kernels.load_cpu_kernels(tmp_path) is not None
 
 
 def test_cpu_without_the_target_features_falls_back(tmp_path, monkeypatch):
     monkeypatch.setenv("SPINDLE_CPU_KERNEL_MARCH", "x86-64-v3")
     monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: {"sse2"})
-    assert cpu_decode.load_paged_decode(tmp_path) is None
+    assert cpu_kernels.load_cpu_kernels(tmp_path) is None
     assert not (tmp_path / "kernels").exists()
 
 
 def test_no_compiler_and_no_library_falls_back(tmp_path, monkeypatch):
     _no_compiler(monkeypatch)
-    assert cpu_decode.load_paged_decode(tmp_path) is None
+    assert cpu_kernels.load_cpu_kernels(tmp_path) is None
 
 
 def test_failed_build_falls_back(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
-    assert cpu_decode.load_paged_decode(tmp_path) is None
+    assert cpu_kernels.load_cpu_kernels(tmp_path) is None

@@ -2,7 +2,7 @@
 
 Prefills and chunks keep PyTorch's SDPA (their queries amortise the gather); decode tokens, where
 the gather copy is most of the cost, read the paged cache in place (csrc/paged_decode.c). Use it
-only for a cache dtype the kernel `supports`.
+only for a cache dtype and head size the kernel `supports`.
 """
 from __future__ import annotations
 

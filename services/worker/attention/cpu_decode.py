@@ -1,16 +1,13 @@
 """The compiled CPU decode-attention kernel (csrc/paged_decode.c): argument checks and the call.
 
-The library is built and loaded by services/worker/cpu_kernels.py; `load_paged_decode` returns
-None when it is unavailable, and the PyTorch path stays in use.
+The library is built and loaded by services/worker/cpu_kernels.py; without it the PyTorch path
+stays in use.
 """
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import torch
-
-from services.worker.cpu_kernels import load_cpu_kernels
 
 MAX_HEAD_DIM = 256  # and a multiple of 8 (csrc/paged_decode.c)
 _SUPPORTED = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
@@ -54,7 +51,3 @@ class PagedDecodeKernel:
             raise ValueError(f"head_dim {head_dim} is not a multiple of 8 up to {MAX_HEAD_DIM}")
         return out
 
-
-def load_paged_decode(cache_dir: Path | None = None) -> PagedDecodeKernel | None:
-    library = load_cpu_kernels(cache_dir)
-    return PagedDecodeKernel(library) if library is not None else None
