@@ -41,6 +41,8 @@ class WorkerConfig:
     max_num_seqs: int = 256
     num_threads: int | None = None  # None: torch's default
     attention_backend: str = "auto"  # auto: CUDA kernels on a GPU, compiled kernels on a CPU; torch
+    # CPU without native bf16: 16-bit weights also kept as float32 for batched matmuls (3x weight memory).
+    cpu_float32_copy: bool = True
     log_level: str = "INFO"
     shutdown_timeout: float = 30.0
     fake_model: bool = False  # no weights; each step returns a fixed token (engine-overhead benchmark)
@@ -93,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--attention-backend", default="auto", choices=["auto", "torch"],
              help="auto: CUDA kernels on a GPU, the compiled CPU kernels (paged decode, fused norm and "
                   "activation) on a CPU; torch: PyTorch only")
+    add_flag(parser, "--cpu-float32-copy", type=bool, default=True,
+             help="bfloat16/float16 on a CPU without native bf16: keep a float32 copy of the matmul weights "
+                  "for batches of more than 2 rows (3x the weight memory; batched decode about 1.9x faster)")
     add_flag(parser, "--fake-model", type=bool, default=False,
              help="load no weights; every step returns a fixed token at once (measures engine overhead)")
     add_telemetry_flags(parser, default_metrics_port=9093)
@@ -117,6 +122,7 @@ def config_from_args(argv: list[str] | None = None) -> WorkerConfig:
         max_num_seqs=args.max_num_seqs,
         num_threads=args.num_threads,
         attention_backend=args.attention_backend,
+        cpu_float32_copy=args.cpu_float32_copy,
         log_level=args.log_level,
         shutdown_timeout=args.shutdown_timeout,
         fake_model=args.fake_model,

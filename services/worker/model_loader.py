@@ -17,7 +17,7 @@ from torch import nn
 
 from services.common.model_files import resolve_model
 from services.worker.attention.backend import AttentionBackend
-from services.worker.layers.linear import can_prepack, prepack_cpu_weights
+from services.worker.layers.linear import add_float32_copies, can_prepack, prepack_cpu_weights
 from services.worker.models import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -65,8 +65,12 @@ def load_model(
     backend: AttentionBackend,
     cache_dir: str | None = None,
     config=None,
+    float32_copy: bool = False,
 ) -> nn.Module:
-    """Returns the model in eval mode with every parameter filled from the checkpoint."""
+    """Returns the model in eval mode with every parameter filled from the checkpoint.
+
+    `float32_copy`: on a CPU, 16-bit matmul weights also get a float32 packed copy for batches.
+    """
     model_path = Path(model)
     if model_path.suffix == ".gguf":
         model_path = resolve_model(str(model_path), cache_dir).path
@@ -84,9 +88,12 @@ def load_model(
     net.eval().requires_grad_(False)
     num_params = sum(p.numel() for p in net.parameters())
     num_packed = prepack_cpu_weights(net) if can_prepack(torch.device(device), dtype) else 0
+    num_copied = 0
+    if float32_copy and torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+        num_copied = add_float32_copies(net)
     logger.info(
-        "loaded %s (%s, %.0fM parameters, %s, %d matmul weights prepacked) in %.1f s",
+        "loaded %s (%s, %.0fM parameters, %s, %d matmul weights prepacked, %d with a float32 copy) in %.1f s",
         model_cls.__name__, model_path.name, num_params / 1e6, str(dtype).removeprefix("torch."), num_packed,
-        time.monotonic() - start,
+        num_copied, time.monotonic() - start,
     )
     return net

@@ -16,7 +16,7 @@ from services.common.model_files import resolve_model
 from services.worker.attention.cpu_backend import CpuAttentionBackend
 from services.worker.attention.cpu_decode import PagedDecodeKernel
 from services.worker.attention.torch_backend import TorchAttentionBackend
-from services.worker.config import RunnerConfig, WorkerConfig, resolve_device, resolve_dtype
+from services.worker.config import RunnerConfig, WorkerConfig, cpu_has_native_bf16, resolve_device, resolve_dtype
 from services.worker.cpu_kernels import load_cpu_kernels
 from services.worker.kv_cache import KVCacheLayout, num_blocks_for_budget
 from services.worker.layers.fused_ops import FusedOps, use_fused_ops
@@ -78,7 +78,9 @@ class Worker:
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         cpu_kernels = self._cpu_kernels()
         backend, sampler = self._attention_and_sampler(head_dim, cpu_kernels)
-        model = load_model(resolved.path, self.dtype, self.device, backend, config=hf_config)
+        float32_copy = self.config.cpu_float32_copy and not cpu_has_native_bf16()
+        model = load_model(resolved.path, self.dtype, self.device, backend, config=hf_config,
+                           float32_copy=float32_copy)
         if cpu_kernels is not None:
             logger.info("fused CPU kernels in %d modules", use_fused_ops(model, FusedOps(cpu_kernels)))
         runner_config = RunnerConfig(

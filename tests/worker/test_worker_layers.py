@@ -4,7 +4,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.layers.embedding import LMHead, VocabEmbedding
-from services.worker.layers.linear import Linear, can_prepack, linear, prepack_cpu_weights
+from services.worker.layers.linear import Linear, add_float32_copies, can_prepack, linear, prepack_cpu_weights
 
 
 def _head(vocab_size: int, hidden_size: int) -> LMHead:
@@ -59,3 +59,24 @@ def test_bf16_lm_head_matches_float32_math():
         logits = head(hidden)
     expected = F.linear(hidden.float(), head.weight.float())
     torch.testing.assert_close(logits.float(), expected, rtol=1e-2, atol=5e-2)
+
+
+def test_float32_copies_of_bf16_weights_serve_batches_and_keep_the_16bit_weights():
+    torch.manual_seed(3)
+    layer = Linear(48, 700, bias=True)
+    with torch.no_grad():
+        layer.weight.normal_(), layer.bias.normal_()
+    layer.to(torch.bfloat16)
+    head = _head(900, 48)
+    head.weight.data = head.weight.data.bfloat16()
+    assert add_float32_copies(nn.ModuleList([layer, head])) == 2
+    assert layer.weight.dtype == torch.bfloat16 and layer.weight.shape == (700, 48)  # kept for 1-2 rows
+    assert layer.packed_bias.dtype == torch.float32
+    for num_rows in (1, 2, 3, 64):
+        x = torch.randn(num_rows, 48).bfloat16()
+        with torch.inference_mode():
+            out, logits = layer(x), head(x)
+        assert out.dtype == logits.dtype == torch.bfloat16
+        expected = F.linear(x.float(), layer.weight.float(), layer.bias.float())
+        torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(logits.float(), F.linear(x.float(), head.weight.float()), rtol=1e-2, atol=5e-2)

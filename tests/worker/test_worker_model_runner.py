@@ -31,6 +31,25 @@ def test_batched_greedy_matches_transformers(model_fixture, request):
         assert scheduler.outputs(req_id) == hf_greedy(model_dir, prompt, 10), req_id
 
 
+@pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+def test_bf16_float32_weight_copy_gives_the_same_greedy_tokens(model_fixture, request):
+    """bfloat16 weights: batches of more than 2 rows multiply on the float32 copy or on weights
+    widened per call; both round one float32 product, so the tokens agree."""
+    model_dir = request.getfixturevalue(model_fixture)
+    prompts = _prompts([23, 9, 41, 16], seed=4)
+    tokens = []
+    for float32_copy in (True, False):
+        runner = make_runner(model_dir, block_size=4, dtype=torch.bfloat16, float32_copy=float32_copy)
+        assert any(getattr(m, "packed_weight", None) is not None for m in runner.model.modules()) == float32_copy
+        scheduler = MiniScheduler(block_size=4, token_budget=32)
+        for req_id, prompt in prompts.items():
+            scheduler.add(req_id, prompt, max_tokens=8)
+        scheduler.run(runner)
+        tokens.append({req_id: scheduler.outputs(req_id) for req_id in prompts})
+    assert tokens[0] == tokens[1]
+    assert all(len(t) == 8 for t in tokens[0].values())
+
+
 def test_prompt_prefilled_in_two_chunks(tiny_llama_dir):
     """Hand-built steps: a 14-token prompt as 8 + 6 tokens; the partial chunk samples nothing."""
     prompt = _prompts([14])["req-0"]

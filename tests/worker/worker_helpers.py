@@ -46,12 +46,13 @@ def save_tiny_model(path: Path, arch: str) -> Path:
     return path
 
 
-def make_runner(model_dir: Path, block_size: int = 4, num_blocks: int = 128, max_num_seqs: int = 16) -> ModelRunner:
+def make_runner(model_dir: Path, block_size: int = 4, num_blocks: int = 128, max_num_seqs: int = 16,
+                dtype: torch.dtype = torch.float32, float32_copy: bool = False) -> ModelRunner:
     hf_config = load_config(model_dir)
     backend = TorchAttentionBackend()
-    model = load_model(model_dir, torch.float32, torch.device("cpu"), backend, config=hf_config)
+    model = load_model(model_dir, dtype, torch.device("cpu"), backend, config=hf_config, float32_copy=float32_copy)
     attn = model.attention_layers()
-    layout = KVCacheLayout(len(attn), attn[0].num_kv_heads, attn[0].head_dim, block_size, torch.float32)
+    layout = KVCacheLayout(len(attn), attn[0].num_kv_heads, attn[0].head_dim, block_size, dtype)
     config = RunnerConfig(block_size=block_size, max_model_len=hf_config.max_position_embeddings,
                           max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)
     runner = ModelRunner(model, config, torch.device("cpu"), backend, layout, vocab_size=hf_config.vocab_size,
