@@ -28,7 +28,7 @@ from pathlib import Path
 import aiohttp
 
 from services.common import codec, worker_codec
-from services.common.messages import EngineCoreOutputs, EngineCoreRequest, SamplingParams
+from services.common.messages import EngineCoreRequest, SamplingParams
 from services.common.pb import engine_core_pb2, worker_pb2
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.request import Request
@@ -71,8 +71,8 @@ def in_process_step_costs(num_running: int, num_steps: int = 30) -> dict:
         ro, t_fake = _timed(runner.execute_model, so_worker)
         ro_bytes, t_enc_ro = _timed(lambda: worker_codec.model_runner_output_to_pb(ro).SerializeToString())
         ro_sched, t_dec_ro = _timed(lambda: worker_codec.model_runner_output_from_pb(worker_pb2.ModelRunnerOutput.FromString(ro_bytes)))
-        outputs, t_update = _timed(scheduler.update_from_output, so, ro_sched)
-        eco = EngineCoreOutputs(outputs=outputs, scheduler_stats=scheduler.get_stats(), timestamp=time.time())
+        eco, t_update = _timed(scheduler.update_from_output, so, ro_sched)
+        eco.scheduler_stats, eco.timestamp = scheduler.get_stats(), time.time()
         eco_bytes, t_enc_eco = _timed(lambda: codec.engine_core_outputs_to_pb(eco).SerializeToString())
         _, t_dec_eco = _timed(lambda: codec.engine_core_outputs_from_pb(engine_core_pb2.EngineCoreOutputs.FromString(eco_bytes)))
         if step < 3:  # the first steps admit and prefill; measure steady decode

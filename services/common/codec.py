@@ -152,21 +152,13 @@ def engine_core_output_from_pb(msg: ec_pb.EngineCoreOutput) -> m.EngineCoreOutpu
 
 
 def engine_core_outputs_to_pb(o: m.EngineCoreOutputs) -> ec_pb.EngineCoreOutputs:
-    # Plain outputs carry only new tokens and fit the columns; the rest travel in full.
-    plain = [x for x in o.outputs if not (x.finish_reason or x.events or x.new_logprobs or x.error_message
-                                          or x.stop_reason is not None)]
-    if len(plain) < len(o.outputs):
-        plain_ids = set(map(id, plain))
-        full = [x for x in o.outputs if id(x) not in plain_ids]
-    else:
-        full = []
-    token_ids = [x.new_token_ids for x in plain]
+    token_ids = o.plain_token_ids
+    counts = list(map(len, token_ids))
     msg = ec_pb.EngineCoreOutputs(
-        outputs=[engine_core_output_to_pb(x) for x in full],
+        outputs=[engine_core_output_to_pb(x) for x in o.outputs],
         timestamp=o.timestamp,
-        request_ids=[x.request_id for x in plain],
-        num_new_token_ids=list(map(len, token_ids)),
-        num_cached_tokens=[x.num_cached_tokens for x in plain],
+        request_ids=o.plain_req_ids,
+        num_new_token_ids=[] if counts.count(1) == len(counts) else counts,
         new_token_ids=list(chain.from_iterable(token_ids)),
     )
     if o.scheduler_stats is not None:
@@ -175,17 +167,18 @@ def engine_core_outputs_to_pb(o: m.EngineCoreOutputs) -> ec_pb.EngineCoreOutputs
 
 
 def engine_core_outputs_from_pb(msg: ec_pb.EngineCoreOutputs) -> m.EngineCoreOutputs:
-    outputs = [engine_core_output_from_pb(x) for x in msg.outputs]
-    if msg.request_ids:
-        none = m.FinishReason.NONE
-        token_ids = split_column(list(msg.new_token_ids), list(msg.num_new_token_ids))
-        output = m.EngineCoreOutput
-        outputs += [output(r, t, [], none, None, c, []) for r, t, c in
-                    zip(msg.request_ids, token_ids, msg.num_cached_tokens)]
+    plain_req_ids = list(msg.request_ids)
+    token_ids = list(msg.new_token_ids)
+    if msg.num_new_token_ids:
+        plain_token_ids = split_column(token_ids, list(msg.num_new_token_ids))
+    else:
+        plain_token_ids = [[t] for t in token_ids]  # one token each: the decode step
     return m.EngineCoreOutputs(
-        outputs=outputs,
+        outputs=[engine_core_output_from_pb(x) for x in msg.outputs],
         scheduler_stats=scheduler_stats_from_pb(msg.scheduler_stats) if msg.HasField("scheduler_stats") else None,
         timestamp=msg.timestamp,
+        plain_req_ids=plain_req_ids,
+        plain_token_ids=plain_token_ids,
     )
 
 

@@ -126,9 +126,24 @@ class SchedulerStats:
 
 @dataclass
 class EngineCoreOutputs:
+    """One engine step's outputs (for one frontend, once routed).
+
+    Most outputs of a step are a running request's new tokens and nothing else: those "plain"
+    outputs stay in two columns from the scheduler to the frontend's dispatch, never one object per
+    request per step. Outputs that carry more (a finish, events, logprobs, an error) are objects in
+    `outputs`. A request appears at most once per step. A request's first output always has events
+    (QUEUED, SCHEDULED), so it carries `num_cached_tokens` and plain outputs need not.
+    """
+
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
+    plain_req_ids: list[str] = field(default_factory=list)
+    plain_token_ids: list[list[int]] = field(default_factory=list)
+
+    def all_outputs(self) -> list[EngineCoreOutput]:
+        """Every output as an object, the plain ones last (for callers that want one per request)."""
+        return self.outputs + [EngineCoreOutput(r, t) for r, t in zip(self.plain_req_ids, self.plain_token_ids)]
 
 
 @dataclass

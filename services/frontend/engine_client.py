@@ -3,7 +3,8 @@
 Requests and aborts go out on the stream; one EngineCoreOutputs per engine step comes back and is
 dispatched to per-request queues. A request that only wants its final output (non-streaming, no stop
 strings) is not woken every step: its outputs are held here and handed over merged when it finishes,
-so a step costs such a request one list append instead of a task wake-up. When the scheduler goes
+so a step costs such a request one list extend instead of a task wake-up. A step's plain outputs
+(new tokens only) arrive in columns and become objects only for requests that stream. When the scheduler goes
 away, every in-flight request fails with an "unavailable" error and the client reconnects with back-off.
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ from services.common import codec
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.messages import (
     EngineCoreOutput,
+    EngineCoreOutputs,
     EngineCoreRequest,
     EngineInfo,
     FinishReason,
@@ -48,7 +50,7 @@ class EngineClient:
         self._call = None
         self._queues: dict[str, asyncio.Queue[EngineCoreOutput]] = {}
         # Outputs held for final-only requests until they finish.
-        self._held: dict[str, list[EngineCoreOutput]] = {}
+        self._held: dict[str, HeldOutput] = {}
         self._connected = asyncio.Event()
         # grpc.aio allows one write in flight per call; concurrent requests take turns.
         self._write_lock = asyncio.Lock()
@@ -88,7 +90,7 @@ class EngineClient:
         queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
         self._queues[request.request_id] = queue
         if final_only:
-            self._held[request.request_id] = []
+            self._held[request.request_id] = HeldOutput()
         finished = False
         try:
             await self._write(engine_core_pb2.ConnectRequest(add_request=codec.engine_core_request_to_pb(request)))
@@ -159,7 +161,7 @@ class EngineClient:
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(backoff_s * 2, MAX_RECONNECT_BACKOFF_S)
 
-    def _dispatch(self, outputs) -> None:
+    def _dispatch(self, outputs: EngineCoreOutputs) -> None:
         if outputs.scheduler_stats is not None:
             self.last_stats = outputs.scheduler_stats
         if self.observer is not None:
@@ -167,15 +169,23 @@ class EngineClient:
         queues, held = self._queues, self._held
         for output in outputs.outputs:
             request_id = output.request_id
-            if request_id in held:
-                pending = held[request_id]
-                pending.append(output)
+            pending = held.get(request_id)
+            if pending is not None:
+                pending.add(output)
                 if not output.finished:
                     continue
-                output = merge_outputs(pending)
+                output = pending.merged(output)
             queue = queues.get(request_id)
             if queue is not None:
                 queue.put_nowait(output)
+        for request_id, token_ids in zip(outputs.plain_req_ids, outputs.plain_token_ids):
+            pending = held.get(request_id)
+            if pending is not None:
+                pending.token_ids += token_ids
+                continue
+            queue = queues.get(request_id)
+            if queue is not None:
+                queue.put_nowait(EngineCoreOutput(request_id, token_ids))
 
     def _fail_all(self, message: str) -> None:
         self._held.clear()
@@ -192,19 +202,25 @@ class EngineClient:
                 self._is_worker_alive = False
 
 
-def merge_outputs(outputs: list[EngineCoreOutput]) -> EngineCoreOutput:
-    """Several steps' outputs of one request as one (the last one's finish, everything's tokens)."""
-    if len(outputs) == 1:
-        return outputs[0]
-    last = outputs[-1]
-    return EngineCoreOutput(
-        last.request_id,
-        [t for o in outputs for t in o.new_token_ids],
-        [lp for o in outputs for lp in o.new_logprobs],
-        last.finish_reason,
-        last.stop_reason,
-        max(o.num_cached_tokens for o in outputs),
-        [e for o in outputs for e in o.events],
-        last.error_message,
-        last.error_code,
-    )
+class HeldOutput:
+    """A final-only request's outputs so far, merged as they arrive."""
+
+    __slots__ = ("token_ids", "logprobs", "events", "num_cached_tokens")
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.logprobs: list = []
+        self.events: list = []
+        self.num_cached_tokens = 0
+
+    def add(self, output: EngineCoreOutput) -> None:
+        self.token_ids += output.new_token_ids
+        self.logprobs += output.new_logprobs
+        self.events += output.events
+        self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
+
+    def merged(self, last: EngineCoreOutput) -> EngineCoreOutput:
+        """Everything held (`last` included) as one output with `last`'s finish."""
+        return EngineCoreOutput(last.request_id, self.token_ids, self.logprobs, last.finish_reason, last.stop_reason,
+                                self.num_cached_tokens, self.events, last.error_message, last.error_code)
+

@@ -16,6 +16,7 @@ client holds, read at scrape time (services/common/metrics.py).
 from __future__ import annotations
 
 import time
+from itertools import chain
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -131,8 +132,9 @@ class FrontendMetrics:
         num_prompt_tokens = num_generation_tokens = 0  # counters move once per step, not per request
         # Inter-token latencies of one step mostly share one value (same previous step): observed per value.
         itl_counts: dict[float, int] = {}
+        inflight = self._inflight
         for output in outputs.outputs:
-            times = self._inflight.get(output.request_id)
+            times = inflight.get(output.request_id)
             if times is None:
                 continue
             for event in output.events:
@@ -140,9 +142,13 @@ class FrontendMetrics:
                     times.queued_s = event.timestamp
                 elif event.type == RequestEventType.SCHEDULED and times.scheduled_s is None:
                     times.scheduled_s = event.timestamp
-            num_new = len(output.new_token_ids)
-            if not num_new:
+        new_tokens = chain(((o.request_id, o.new_token_ids) for o in outputs.outputs),
+                           zip(outputs.plain_req_ids, outputs.plain_token_ids))
+        for request_id, token_ids in new_tokens:
+            times = inflight.get(request_id)
+            if times is None or not token_ids:
                 continue
+            num_new = len(token_ids)
             if times.first_token_s is None:
                 times.first_token_s = now
                 times.first_token_engine_s = step_s

@@ -49,14 +49,15 @@ class EngineCore:
         self.is_draining = False
         self._on_health_change = on_health_change or (lambda serving: None)
         self._client_ids = itertools.count(1)
-        self._clients: dict[int, asyncio.Queue[EngineCoreOutputs]] = {}
+        # Per frontend: its step outputs; None tells its stream handler that the frontend went away.
+        self._clients: dict[int, asyncio.Queue[EngineCoreOutputs | None]] = {}
         self._req_client: dict[str, int] = {}
         self._pending_adds: list[Request] = []
         self._pending_aborts: list[str] = []
         self._wakeup = asyncio.Event()
 
     # --- frontend connections ----------------------------------------------------------------------
-    def register_client(self) -> tuple[int, asyncio.Queue[EngineCoreOutputs]]:
+    def register_client(self) -> tuple[int, asyncio.Queue[EngineCoreOutputs | None]]:
         client_id = next(self._client_ids)
         self._clients[client_id] = asyncio.Queue()
         return client_id, self._clients[client_id]
@@ -185,30 +186,56 @@ class EngineCore:
             except RequestRejected as exc:
                 self._publish([error_output(request.request_id, str(exc), exc.code)], scheduler)
 
-    def _publish(self, outputs: list[EngineCoreOutput], scheduler: Scheduler | None) -> None:
-        if not outputs:
+    def _publish(self, step: EngineCoreOutputs | list[EngineCoreOutput], scheduler: Scheduler | None) -> None:
+        """Routes a step's outputs to the frontends that own the requests, one message each."""
+        if isinstance(step, list):
+            step = EngineCoreOutputs(step)
+        if not step.outputs and not step.plain_req_ids:
             return
         if self.tracer is not None:
-            self.tracer.on_outputs(outputs)
-        by_client: dict[int, list[EngineCoreOutput]] = {}
+            self.tracer.on_outputs(step)
         req_client = self._req_client
-        for output in outputs:
+        by_client: dict[int, EngineCoreOutputs] = {}
+        for output in step.outputs:
             client_id = req_client.get(output.request_id)
             if output.finish_reason:
                 req_client.pop(output.request_id, None)
             if client_id is not None:
-                client_outputs = by_client.get(client_id)
-                if client_outputs is None:
-                    client_outputs = by_client[client_id] = []
-                client_outputs.append(output)
-        for client_id, client_outputs in by_client.items():
-            self._send(client_id, client_outputs, scheduler)
+                self._client_outputs(by_client, client_id).outputs.append(output)
+        plain_req_ids = step.plain_req_ids
+        if plain_req_ids:
+            client_ids = set(map(req_client.get, plain_req_ids))
+            if len(client_ids) == 1:  # the usual case: one frontend owns every request
+                (client_id,) = client_ids
+                if client_id is not None:
+                    routed = self._client_outputs(by_client, client_id)
+                    routed.plain_req_ids, routed.plain_token_ids = plain_req_ids, step.plain_token_ids
+            else:
+                for req_id, token_ids in zip(plain_req_ids, step.plain_token_ids):
+                    client_id = req_client.get(req_id)
+                    if client_id is not None:
+                        routed = self._client_outputs(by_client, client_id)
+                        routed.plain_req_ids.append(req_id)
+                        routed.plain_token_ids.append(token_ids)
+        stats = scheduler.get_stats() if scheduler is not None else None
+        now = time.time()
+        for client_id, routed in by_client.items():
+            queue = self._clients.get(client_id)
+            if queue is not None:
+                routed.scheduler_stats, routed.timestamp = stats, now
+                queue.put_nowait(routed)
 
-    def _send(self, client_id: int, outputs: list[EngineCoreOutput], scheduler: Scheduler | None = None) -> None:
+    @staticmethod
+    def _client_outputs(by_client: dict[int, EngineCoreOutputs], client_id: int) -> EngineCoreOutputs:
+        routed = by_client.get(client_id)
+        if routed is None:
+            routed = by_client[client_id] = EngineCoreOutputs()
+        return routed
+
+    def _send(self, client_id: int, outputs: list[EngineCoreOutput]) -> None:
         queue = self._clients.get(client_id)
         if queue is not None:
-            stats = scheduler.get_stats() if scheduler is not None else None
-            queue.put_nowait(EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, timestamp=time.time()))
+            queue.put_nowait(EngineCoreOutputs(outputs=outputs, timestamp=time.time()))
 
     def _fail_all(self, message: str, code: str) -> None:
         requests = self.scheduler.fail_all() if self.scheduler is not None else []

@@ -24,6 +24,14 @@ class RequestStatus(enum.IntEnum):
 class Request:
     """A request's progress: `num_computed_tokens` catches up with `num_tokens` step by step."""
 
+    # Every step reads a few fields of every running request: slots keep them in one small object.
+    __slots__ = (
+        "request_id", "client_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "arrival_time",
+        "priority", "cache_salt", "traceparent", "status", "all_token_ids", "num_prompt_tokens",
+        "num_computed_tokens", "num_cached_tokens", "num_preemptions", "finish_reason", "stop_reason", "events",
+        "block_hashes", "stop_check_token_ids", "max_num_tokens",
+    )
+
     def __init__(self, req: EngineCoreRequest, client_id: int = 0):
         self.request_id = req.request_id
         self.client_id = client_id

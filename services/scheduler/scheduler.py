@@ -6,11 +6,12 @@ requests. Chunked prefill, decode and prefix-cache hits all fall out of that rul
 """
 from __future__ import annotations
 
-from itertools import chain
+from itertools import chain, repeat
 
 from services.common.messages import (
     CachedRequestData,
     EngineCoreOutput,
+    EngineCoreOutputs,
     FinishReason,
     ModelRunnerOutput,
     NewRequestData,
@@ -96,115 +97,147 @@ class Scheduler:
     # --- one step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        new_block_ids: dict[str, list[int]] = {}
-        scheduled_running: list[Request] = []
+        kv = self.kv_cache_manager
+        # What each scheduled request gets, in parallel columns: running ones, then admitted ones.
+        running_reqs: list[Request] = []
+        running_num_new: list[int] = []
+        running_block_ids: list[list[int]] = []
         preempted: list[Request] = []
 
         # Running requests first, in order.
-        allocate_slots = self.kv_cache_manager.allocate_slots
+        running = self.running
+        req_to_blocks = kv.req_to_blocks
+        block_size = self.block_size
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(len(request.all_token_ids) - request.num_computed_tokens, budget)
+        while i < len(running) and budget > 0:
+            request = running[i]
+            num_computed = request.num_computed_tokens
+            num_new = min(len(request.all_token_ids) - num_computed, budget)
             if num_new <= 0:
                 i += 1
                 continue
-            while True:
-                block_ids = allocate_slots(request, num_new)
-                if block_ids is not None:
-                    break
-                victim = self._pick_victim()
-                if self.running.index(victim) < i:  # only under the priority policy
-                    i -= 1
-                self.running.remove(victim)
-                if victim in scheduled_running:
-                    scheduled_running.remove(victim)
-                    budget += num_scheduled.pop(victim.request_id)
-                    new_block_ids.pop(victim.request_id)
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is request:
-                    break
-            if block_ids is None:
-                break  # the request preempted itself: nothing after it can fit either
-            scheduled_running.append(request)
-            num_scheduled[request.request_id] = num_new
-            new_block_ids[request.request_id] = block_ids
+            held = req_to_blocks.get(request.request_id)
+            if held is not None and num_computed + num_new <= len(held) * block_size:
+                block_ids = []  # the usual decode step: the held blocks have room
+            else:
+                while True:
+                    block_ids = kv.allocate_slots(request, num_new)
+                    if block_ids is not None:
+                        break
+                    victim = self._pick_victim()
+                    if running.index(victim) < i:  # only under the priority policy
+                        i -= 1
+                    running.remove(victim)
+                    for j, scheduled in enumerate(running_reqs):
+                        if scheduled is victim:
+                            del running_reqs[j], running_block_ids[j]
+                            budget += running_num_new.pop(j)
+                            break
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim is request:
+                        break
+                if block_ids is None:
+                    break  # the request preempted itself: nothing after it can fit either
+            running_reqs.append(request)
+            running_num_new.append(num_new)
+            running_block_ids.append(block_ids)
             budget -= num_new
             i += 1
 
         # Then waiting requests, only if nobody was preempted this step.
-        scheduled_new: list[Request] = []
-        scheduled_resumed: list[Request] = []
-        while not preempted and len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        new_reqs: list[Request] = []
+        resumed_reqs: list[Request] = []
+        admitted_num_new: dict[str, int] = {}
+        admitted_block_ids: dict[str, list[int]] = {}
+        while not preempted and len(self.waiting) and budget > 0 and len(running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             computed_blocks, num_cached = [], 0
             if request.status == RequestStatus.WAITING:
-                computed_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(request)
+                computed_blocks, num_cached = kv.get_computed_blocks(request)
             # Admit only if the whole remaining prompt fits, so admission rarely causes preemption.
-            if not self.kv_cache_manager.can_fit(request, computed_blocks, request.num_tokens):
+            if not kv.can_fit(request, computed_blocks, request.num_tokens):
                 break
             num_new = min(request.num_tokens - num_cached, budget)
-            block_ids = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks)
+            block_ids = kv.allocate_slots(request, num_new, computed_blocks)
             if block_ids is None:
                 break
             self.waiting.pop()
             if request.status == RequestStatus.PREEMPTED:
-                scheduled_resumed.append(request)
+                resumed_reqs.append(request)
             else:
                 request.num_computed_tokens = num_cached
                 request.num_cached_tokens = num_cached
-                self.kv_cache_manager.record_prefix_cache_lookup(request.num_tokens, num_cached)
-                scheduled_new.append(request)
+                kv.record_prefix_cache_lookup(request.num_tokens, num_cached)
+                new_reqs.append(request)
             request.status = RequestStatus.RUNNING
             request.record_event(RequestEventType.SCHEDULED)
-            self.running.append(request)
-            num_scheduled[request.request_id] = num_new
-            new_block_ids[request.request_id] = block_ids
+            running.append(request)
+            admitted_num_new[request.request_id] = num_new
+            admitted_block_ids[request.request_id] = block_ids
             budget -= num_new
 
-        output = self._build_output(scheduled_new, scheduled_resumed, scheduled_running, num_scheduled,
-                                    new_block_ids, preempted)
-        for request in chain(scheduled_running, scheduled_new, scheduled_resumed):
-            request.num_computed_tokens += num_scheduled[request.request_id]
+        output = self._build_output(new_reqs, resumed_reqs, running_reqs, running_num_new, running_block_ids,
+                                    admitted_num_new, admitted_block_ids, preempted)
+        for request, num_new in zip(running_reqs, running_num_new):
+            request.num_computed_tokens += num_new
+        for request in chain(new_reqs, resumed_reqs):
+            request.num_computed_tokens += admitted_num_new[request.request_id]
         self.finished_req_ids = set()
         self.num_steps += 1
         return output
 
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
-                           ) -> list[EngineCoreOutput]:
-        """Appends sampled tokens, applies the finishing rules, frees finished requests' blocks."""
-        outputs = []
+                           ) -> EngineCoreOutputs:
+        """Appends sampled tokens, applies the finishing rules, frees finished requests' blocks.
+
+        Runs once per step for every scheduled request, so the usual case (one token, no block
+        filled, no finish, no events) touches no helper and builds no object per request.
+        """
+        outputs: list[EngineCoreOutput] = []
+        plain_req_ids: list[str] = []
+        plain_token_ids: list[list[int]] = []
         requests = self.requests
-        cache_blocks = self.kv_cache_manager.cache_blocks
+        kv = self.kv_cache_manager
+        # Registering full blocks in the prefix cache is needed only when a block filled up.
+        num_cached_blocks = kv.num_cached_blocks if kv.enable_caching else None
+        block_size = self.block_size
         running, finished = RequestStatus.RUNNING, RequestStatus.FINISHED
-        logprobs = runner_output.logprobs or [None] * len(runner_output.req_ids)
+        logprobs = runner_output.logprobs
+        if not logprobs or logprobs.count(None) == len(logprobs):
+            logprobs = repeat(None)
         for req_id, token_ids, lp in zip(runner_output.req_ids, runner_output.sampled_token_ids, logprobs):
             request = requests.get(req_id)
             if request is None or request.status != running:
                 continue  # aborted or preempted while the step ran
-            cache_blocks(request, request.num_computed_tokens)
-            all_token_ids = request.all_token_ids
+            if num_cached_blocks is not None and \
+                    request.num_computed_tokens // block_size > num_cached_blocks.get(req_id, 0):
+                kv.cache_blocks(request, request.num_computed_tokens)
             new_token_ids = token_ids
-            for i, token_id in enumerate(token_ids):
-                all_token_ids.append(token_id)
-                # Only a stop token or a length limit can end a request; the full check runs only then.
-                if token_id not in request.stop_check_token_ids and len(all_token_ids) < request.max_num_tokens:
-                    continue
-                reason, stop_token = check_stop(request, self.max_model_len)
-                if reason != FinishReason.NONE:
-                    new_token_ids = token_ids[: i + 1]
-                    request.stop_reason = stop_token
-                    self.running.remove(request)
-                    self._finish(request, reason)
-                    break
-            events = request.take_events()
-            if new_token_ids or events or request.status == finished:
+            if token_ids:
+                all_token_ids = request.all_token_ids
+                stop_check_token_ids = request.stop_check_token_ids
+                for i, token_id in enumerate(token_ids):
+                    all_token_ids.append(token_id)
+                    # Only a stop token or a length limit can end a request; the full check runs only then.
+                    if token_id not in stop_check_token_ids and len(all_token_ids) < request.max_num_tokens:
+                        continue
+                    reason, stop_token = check_stop(request, self.max_model_len)
+                    if reason != FinishReason.NONE:
+                        new_token_ids = token_ids[: i + 1]
+                        request.stop_reason = stop_token
+                        self.running.remove(request)
+                        self._finish(request, reason)
+                        break
+            if request.events or request.status == finished or (lp is not None and new_token_ids):
                 outputs.append(EngineCoreOutput(
                     req_id, new_token_ids, [lp] if (lp is not None and new_token_ids) else [],
-                    request.finish_reason, request.stop_reason, max(request.num_cached_tokens, 0), events))
-        return outputs
+                    request.finish_reason, request.stop_reason, max(request.num_cached_tokens, 0),
+                    request.take_events()))
+            elif new_token_ids:
+                plain_req_ids.append(req_id)
+                plain_token_ids.append(new_token_ids)
+        return EngineCoreOutputs(outputs, plain_req_ids=plain_req_ids, plain_token_ids=plain_token_ids)
 
     def get_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
@@ -243,28 +276,34 @@ class Scheduler:
         self.finished_req_ids.add(request.request_id)
 
     def _build_output(self, new: list[Request], resumed: list[Request], running: list[Request],
-                      num_scheduled: dict[str, int], new_block_ids: dict[str, list[int]],
+                      running_num_new: list[int], running_block_ids: list[list[int]],
+                      admitted_num_new: dict[str, int], admitted_block_ids: dict[str, list[int]],
                       preempted: list[Request]) -> SchedulerOutput:
-        cached_reqs = resumed + running
+        """The step as a diff for the worker; `num_computed_tokens` are still those before the step."""
+        running_ids = [r.request_id for r in running]
+        resumed_ids = [r.request_id for r in resumed]
+        new_ids = [r.request_id for r in new]
         cached = CachedRequestData(
-            req_ids=[r.request_id for r in cached_reqs],
+            req_ids=resumed_ids + running_ids,
             resumed_from_preemption=[True] * len(resumed) + [False] * len(running),
-            new_block_ids=[new_block_ids[r.request_id] for r in cached_reqs],
-            num_computed_tokens=[r.num_computed_tokens for r in cached_reqs],
+            new_block_ids=[admitted_block_ids[i] for i in resumed_ids] + running_block_ids,
+            num_computed_tokens=[r.num_computed_tokens for r in chain(resumed, running)],
             resumed_token_ids=[list(r.all_token_ids) for r in resumed] + [[] for _ in running],
         )
         new_data = [
             NewRequestData(r.request_id, list(r.prompt_token_ids), r.sampling_params,
-                           new_block_ids[r.request_id], r.num_computed_tokens, r.traceparent)
+                           admitted_block_ids[r.request_id], r.num_computed_tokens, r.traceparent)
             for r in new
         ]
         # Batch order: new requests, then cached ones (the codec restores this order on decode).
-        order = [r.request_id for r in new] + cached.req_ids
+        num_scheduled_tokens = dict(zip(running_ids, running_num_new))
+        if admitted_num_new:
+            num_scheduled_tokens = {**{i: admitted_num_new[i] for i in new_ids + resumed_ids}, **num_scheduled_tokens}
         return SchedulerOutput(
             scheduled_new_reqs=new_data,
             scheduled_cached_reqs=cached,
-            num_scheduled_tokens={req_id: num_scheduled[req_id] for req_id in order},
-            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(running_num_new) + sum(admitted_num_new.values()),
             finished_req_ids=set(self.finished_req_ids),
             preempted_req_ids={r.request_id for r in preempted if r.status == RequestStatus.PREEMPTED},
             step_id=self.num_steps,

@@ -24,14 +24,15 @@ class EngineCoreServicer(engine_core_pb2_grpc.EngineCoreServiceServicer):
         client_id, queue = self.engine.register_client()
         logger.info("frontend connected (client %d, %s)", client_id, context.peer())
         reader = asyncio.create_task(self._read_requests(client_id, request_iterator))
+        # The frontend closing its side ends the reader, which wakes the loop below with None: one
+        # queue wait per step, no task or wait set built per step.
+        reader.add_done_callback(lambda _: queue.put_nowait(None))
         try:
             while True:
-                get = asyncio.ensure_future(queue.get())
-                done, _ = await asyncio.wait({get, reader}, return_when=asyncio.FIRST_COMPLETED)
-                if get not in done:
-                    get.cancel()
+                outputs = await queue.get()
+                if outputs is None:
                     break  # the frontend closed its side
-                yield engine_core_pb2.ConnectResponse(outputs=codec.engine_core_outputs_to_pb(get.result()))
+                yield engine_core_pb2.ConnectResponse(outputs=codec.engine_core_outputs_to_pb(outputs))
         finally:
             reader.cancel()
             self.engine.unregister_client(client_id)

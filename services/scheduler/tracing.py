@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from services.common.messages import EngineCoreOutput, FinishReason, RequestEventType
+from services.common.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, RequestEventType
 from services.common.telemetry import Tracing, context_from_traceparent, seconds_to_ns, traceparent_of
 from services.scheduler.request import Request
 
@@ -60,24 +60,31 @@ class SchedulerTracer:
         request.traceparent, _ = traceparent_of(span)
         self._requests[request.request_id] = _RequestTrace(span, now)
 
-    def on_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+    def on_outputs(self, step: EngineCoreOutputs) -> None:
         """Advances the phases of traced requests; `now` is the step's publication time."""
         if not self._requests:
             return
         now = time.time()
-        for output in outputs:
+        for output in step.outputs:
             trace = self._requests.get(output.request_id)
             if trace is None:
                 continue
             for event in output.events:
                 self._on_event(trace, event.type, event.timestamp)
             if output.new_token_ids:
-                if trace.first_token_s is None:
-                    trace.first_token_s = now
-                    self._phase(trace, "scheduler.prefill", trace.scheduled_s or trace.queued_s, now)
-                trace.num_output_tokens += len(output.new_token_ids)
+                self._on_tokens(trace, len(output.new_token_ids), now)
             if output.finished:
                 self._finish(output.request_id, output.finish_reason, now, output)
+        for req_id, token_ids in zip(step.plain_req_ids, step.plain_token_ids):
+            trace = self._requests.get(req_id)
+            if trace is not None:
+                self._on_tokens(trace, len(token_ids), now)
+
+    def _on_tokens(self, trace: _RequestTrace, num_tokens: int, now: float) -> None:
+        if trace.first_token_s is None:
+            trace.first_token_s = now
+            self._phase(trace, "scheduler.prefill", trace.scheduled_s or trace.queued_s, now)
+        trace.num_output_tokens += num_tokens
 
     def on_aborted(self, request_ids: list[str]) -> None:
         """Requests aborted by their frontend (client gone, stop string) publish no output."""

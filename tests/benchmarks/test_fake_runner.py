@@ -27,7 +27,7 @@ def test_chunked_prefill_samples_only_at_the_end_then_one_token_per_step():
         ro = runner.execute_model(so)
         for req_id, sampled in zip(ro.req_ids, ro.sampled_token_ids):
             tokens[req_id] += sampled
-        for out in scheduler.update_from_output(so, ro):
+        for out in scheduler.update_from_output(so, ro).all_outputs():
             if out.finished:
                 finished[out.request_id] = out.finish_reason
     assert tokens == {"long": [FAKE_TOKEN_ID] * 3, "short": [FAKE_TOKEN_ID] * 3}

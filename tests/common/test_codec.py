@@ -12,18 +12,21 @@ def _wire(msg):
 
 def test_engine_core_outputs_plain_in_columns_the_rest_in_full():
     out = m.EngineCoreOutput
-    eco = m.EngineCoreOutputs([
-        out("a", [1], num_cached_tokens=3),
-        out("b", [2, 3]),
-        out("c", [4], finish_reason=m.FinishReason.LENGTH),
+    full = [
+        out("c", [4], finish_reason=m.FinishReason.LENGTH, num_cached_tokens=3),
         out("d", [], events=[m.RequestEvent(m.RequestEventType.QUEUED, 1.5)]),
         out("e", [5], finish_reason=m.FinishReason.STOP, stop_reason=7),
         out("f", [6], new_logprobs=[m.TokenLogprobs(-0.25, 1)]),
         out("g", [], finish_reason=m.FinishReason.ERROR, error_message="boom", error_code="internal"),
-    ], m.SchedulerStats(num_running_reqs=2, num_steps=3), 12.5)
-    msg = _wire(codec.engine_core_outputs_to_pb(eco))
-    assert isinstance(msg, engine_core_pb2.EngineCoreOutputs)
-    assert list(msg.request_ids) == ["a", "b"] and len(msg.outputs) == 5
-    back = codec.engine_core_outputs_from_pb(msg)
-    assert sorted(back.outputs, key=lambda o: o.request_id) == eco.outputs
+    ]
+    for plain_token_ids in ([[1], [2]], [[1], [2, 3]]):  # one token each (no counts sent) or not
+        eco = m.EngineCoreOutputs(full, m.SchedulerStats(num_running_reqs=2, num_steps=3), 12.5,
+                                  plain_req_ids=["a", "b"], plain_token_ids=plain_token_ids)
+        msg = _wire(codec.engine_core_outputs_to_pb(eco))
+        assert isinstance(msg, engine_core_pb2.EngineCoreOutputs)
+        assert list(msg.request_ids) == ["a", "b"] and len(msg.outputs) == 5
+        assert len(msg.num_new_token_ids) == (0 if plain_token_ids == [[1], [2]] else 2)
+        back = codec.engine_core_outputs_from_pb(msg)
+        assert back == eco
+        assert [o.request_id for o in back.all_outputs()] == ["c", "d", "e", "f", "g", "a", "b"]
     assert back.scheduler_stats == eco.scheduler_stats and back.timestamp == 12.5

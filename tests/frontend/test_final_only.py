@@ -2,15 +2,19 @@
 from __future__ import annotations
 
 from services.common.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, RequestEvent, RequestEventType
-from services.frontend.engine_client import EngineClient, merge_outputs
+from services.frontend.engine_client import EngineClient, HeldOutput
 
 
-def test_merge_outputs_keeps_every_token_and_the_last_finish():
-    merged = merge_outputs([
+def test_held_output_keeps_every_token_and_the_last_finish():
+    held = HeldOutput()
+    outputs = [
         EngineCoreOutput("r", [], events=[RequestEvent(RequestEventType.QUEUED, 1.0)], num_cached_tokens=16),
-        EngineCoreOutput("r", [5], num_cached_tokens=16),
+        EngineCoreOutput("r", [5]),
         EngineCoreOutput("r", [6, 7], finish_reason=FinishReason.STOP, stop_reason=7),
-    ])
+    ]
+    for output in outputs:
+        held.add(output)
+    merged = held.merged(outputs[-1])
     assert merged.new_token_ids == [5, 6, 7] and merged.finish_reason == FinishReason.STOP
     assert merged.stop_reason == 7 and merged.num_cached_tokens == 16 and len(merged.events) == 1
 
@@ -22,14 +26,20 @@ def test_dispatch_holds_final_only_outputs_until_the_finish():
         client = EngineClient("127.0.0.1:1")
         streamed, final = asyncio.Queue(), asyncio.Queue()
         client._queues.update({"s": streamed, "f": final})
-        client._held["f"] = []
+        client._held["f"] = HeldOutput()
         for step, reason in enumerate((FinishReason.NONE, FinishReason.NONE, FinishReason.LENGTH)):
-            client._dispatch(EngineCoreOutputs([EngineCoreOutput("s", [step]),
-                                                EngineCoreOutput("f", [step], finish_reason=reason)]))
+            if reason == FinishReason.NONE:  # plain outputs come in columns
+                step_outputs = EngineCoreOutputs(plain_req_ids=["s", "f"], plain_token_ids=[[step], [step, 9]])
+            else:
+                step_outputs = EngineCoreOutputs([EngineCoreOutput("s", [step]),
+                                                  EngineCoreOutput("f", [step], finish_reason=reason)])
+            client._dispatch(step_outputs)
             if reason == FinishReason.NONE:
                 assert final.empty()
         assert streamed.qsize() == 3 and final.qsize() == 1
-        assert (await final.get()).new_token_ids == [0, 1, 2]
+        assert [(await streamed.get()).new_token_ids for _ in range(3)] == [[0], [1], [2]]
+        final_output = await final.get()
+        assert final_output.new_token_ids == [0, 9, 1, 9, 2] and final_output.finish_reason == FinishReason.LENGTH
         await client._channel.close()
 
     asyncio.run(run())

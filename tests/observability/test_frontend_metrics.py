@@ -20,7 +20,10 @@ MODEL = {"model_name": "m"}
 
 
 def step(timestamp: float, *outputs: EngineCoreOutput) -> EngineCoreOutputs:
-    return EngineCoreOutputs(outputs=list(outputs), timestamp=timestamp)
+    """One step's outputs as the scheduler sends them: outputs with only new tokens in the columns."""
+    full = [o for o in outputs if o.events or o.finished or o.new_logprobs]
+    plain = [o for o in outputs if not any(o is f for f in full)]
+    return EngineCoreOutputs(full, None, timestamp, [o.request_id for o in plain], [o.new_token_ids for o in plain])
 
 
 def sample(metrics: FrontendMetrics, name: str, **labels) -> float | None:

@@ -10,6 +10,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from services.common.messages import (
     EngineCoreOutput,
+    EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
     ModelRunnerOutput,
@@ -82,12 +83,13 @@ def test_scheduler_spans_follow_the_request_events():
     assert request.traceparent != TRACEPARENT and TRACE_ID in request.traceparent  # the worker's parent now
     queued = request.events[0].timestamp - 5.0  # in the past, as real events are by the time they arrive
     scheduled = queued + 0.25
-    tracer.on_outputs([EngineCoreOutput("r1", [], events=[RequestEvent(RequestEventType.QUEUED, queued),
-                                                          RequestEvent(RequestEventType.SCHEDULED, scheduled)])])
-    tracer.on_outputs([EngineCoreOutput("r1", [7])])
-    tracer.on_outputs([EngineCoreOutput("r1", [8], events=[RequestEvent(RequestEventType.PREEMPTED, scheduled + 1),
-                                                           RequestEvent(RequestEventType.SCHEDULED, scheduled + 2)])])
-    tracer.on_outputs([EngineCoreOutput("r1", [9], finish_reason=FinishReason.LENGTH, num_cached_tokens=2)])
+    tracer.on_outputs(EngineCoreOutputs([EngineCoreOutput("r1", [], events=[
+        RequestEvent(RequestEventType.QUEUED, queued), RequestEvent(RequestEventType.SCHEDULED, scheduled)])]))
+    tracer.on_outputs(EngineCoreOutputs(plain_req_ids=["r1"], plain_token_ids=[[7]]))  # a plain output
+    tracer.on_outputs(EngineCoreOutputs([EngineCoreOutput("r1", [8], events=[
+        RequestEvent(RequestEventType.PREEMPTED, scheduled + 1), RequestEvent(RequestEventType.SCHEDULED, scheduled + 2)])]))
+    tracer.on_outputs(EngineCoreOutputs([EngineCoreOutput("r1", [9], finish_reason=FinishReason.LENGTH,
+                                                          num_cached_tokens=2)]))
     assert tracer.num_open_spans == 0
 
     spans = t.spans()
@@ -116,8 +118,8 @@ def test_scheduler_ends_aborted_and_failed_requests_and_skips_untraced_ones():
     assert untraced.traceparent == "" and unsampled.traceparent.endswith("-00")  # left as they came
     assert tracer.num_open_spans == 2
     tracer.on_aborted(["a", "never-seen"])
-    tracer.on_outputs([EngineCoreOutput("f", [], finish_reason=FinishReason.ERROR, error_message="boom",
-                                        error_code="internal")])
+    tracer.on_outputs(EngineCoreOutputs([EngineCoreOutput("f", [], finish_reason=FinishReason.ERROR,
+                                                          error_message="boom", error_code="internal")]))
     assert tracer.num_open_spans == 0
     t.tracing.provider.force_flush()
     ended = {s.attributes["spindle.request_id"]: s for s in t.exporter.get_finished_spans()}

@@ -52,7 +52,7 @@ def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000) -> list:
         if not scheduler.has_unfinished_requests():
             return outputs
         output = scheduler.schedule()
-        outputs.extend(scheduler.update_from_output(output, fake_runner_output(scheduler, output)))
+        outputs.extend(scheduler.update_from_output(output, fake_runner_output(scheduler, output)).all_outputs())
     raise AssertionError("requests did not finish")
 
 
