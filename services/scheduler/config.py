@@ -17,6 +17,9 @@ class SchedulerConfig:
     max_num_waiting_requests: int = 0  # 0 = unbounded
     policy: str = "fcfs"  # or "priority"
     enable_prefix_caching: bool = True
+    # Schedule step N+1 while the worker runs step N (its sampled tokens are placeholders until then):
+    # the scheduler's work and both gRPC hops then overlap the model instead of adding to each step.
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -47,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
              help="refuse new requests once this many wait (0: unbounded)")
     add_flag(parser, "--scheduling-policy", default="fcfs", choices=["fcfs", "priority"], help="queue order")
     add_flag(parser, "--enable-prefix-caching", type=bool, default=True, help="reuse KV blocks of shared prefixes")
+    add_flag(parser, "--async-scheduling", type=bool, default=True,
+             help="schedule the next step while the worker runs this one (two steps in flight)")
     add_telemetry_flags(parser, default_metrics_port=9092)
     add_common_flags(parser)
     return parser
@@ -65,6 +70,7 @@ def config_from_args(argv: list[str] | None = None) -> SchedulerServiceConfig:
             max_num_waiting_requests=args.max_num_waiting_requests,
             policy=args.scheduling_policy,
             enable_prefix_caching=args.enable_prefix_caching,
+            async_scheduling=args.async_scheduling,
         ),
         telemetry=telemetry_config_from_args(args),
     )

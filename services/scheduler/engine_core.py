@@ -1,5 +1,8 @@
 """The engine core: the busy loop schedule() -> worker executes -> update_from_output().
 
+With async scheduling (the default) two steps are in flight: step N+1 is sent before step N's
+output is read, so the scheduler's work and the gRPC hops overlap the worker's.
+
 It owns the worker connection (handshake, reconnect with back-off) and routes each step's outputs
 to the frontend connections that own the requests: one EngineCoreOutputs per frontend per step.
 """
@@ -10,6 +13,7 @@ import gc
 import itertools
 import logging
 import time
+from collections import deque
 from typing import Callable
 
 from services.common.messages import (
@@ -18,6 +22,7 @@ from services.common.messages import (
     EngineCoreRequest,
     EngineInfo,
     FinishReason,
+    SchedulerOutput,
     SchedulerStats,
 )
 from services.scheduler.config import SchedulerConfig
@@ -137,24 +142,35 @@ class EngineCore:
     async def _busy_loop(self, stop: asyncio.Event) -> None:
         scheduler = self.scheduler
         assert scheduler is not None
+        # Steps sent to the worker whose outputs have not come back, oldest first. With async
+        # scheduling the next step is sent before the last one's output is read, so the worker
+        # starts it at once while this loop updates requests and publishes outputs.
+        in_flight: deque[SchedulerOutput] = deque()
+        max_in_flight = 2 if self.config.async_scheduling else 1
         while True:
             self._apply_pending(scheduler)
-            if not scheduler.has_unfinished_requests() and not scheduler.finished_req_ids:
+            if scheduler.has_unfinished_requests() or scheduler.finished_req_ids:
+                scheduler_output = scheduler.schedule()
+                await self.worker.submit(scheduler_output)
+                in_flight.append(scheduler_output)
+                if len(in_flight) < max_in_flight and scheduler_output.total_num_scheduled_tokens:
+                    continue
+            elif not in_flight:
                 if stop.is_set():
                     return
                 await self._wait_for_work()
                 continue
-            scheduler_output = scheduler.schedule()
+            step = in_flight.popleft()
             try:
-                runner_output = await self.worker.execute_model(scheduler_output)
+                runner_output = await self.worker.receive()
             except WorkerStepError as exc:
-                logger.error("step %d failed on the worker: %s", scheduler_output.step_id, exc)
-                failed = scheduler.abort_requests(list(scheduler_output.num_scheduled_tokens))
+                logger.error("step %d failed on the worker: %s", step.step_id, exc)
+                failed = scheduler.abort_requests(list(step.num_scheduled_tokens))
                 self._publish([error_output(r.request_id, f"model execution failed: {exc}", "internal")
                                for r in failed], scheduler)
                 continue
-            self._publish(scheduler.update_from_output(scheduler_output, runner_output), scheduler)
-            if scheduler_output.total_num_scheduled_tokens == 0:
+            self._publish(scheduler.update_from_output(step, runner_output), scheduler)
+            if step.total_num_scheduled_tokens == 0 and not in_flight:
                 await asyncio.sleep(0.001)  # nothing fit this step; let frees and aborts arrive
 
     async def _wait_for_work(self) -> None:

@@ -28,7 +28,7 @@ class Request:
     __slots__ = (
         "request_id", "client_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "arrival_time",
         "priority", "cache_salt", "traceparent", "status", "all_token_ids", "num_prompt_tokens",
-        "num_computed_tokens", "num_cached_tokens", "num_preemptions", "finish_reason", "stop_reason", "events",
+        "num_computed_tokens", "num_output_placeholders", "num_cached_tokens", "num_preemptions", "finish_reason", "stop_reason", "events",
         "block_hashes", "stop_check_token_ids", "max_num_tokens",
     )
 
@@ -47,6 +47,9 @@ class Request:
         self.all_token_ids: list[int] = list(req.prompt_token_ids)
         self.num_prompt_tokens = len(req.prompt_token_ids)
         self.num_computed_tokens = 0
+        # Tokens the worker samples in steps whose outputs have not come back yet (async scheduling):
+        # the next step already computes them, as the worker appends what it samples.
+        self.num_output_placeholders = 0
         # Prompt tokens served from the prefix cache at first scheduling (-1 until then).
         self.num_cached_tokens = -1
         self.num_preemptions = 0

@@ -3,6 +3,12 @@
 Each step every request is given tokens so that its `num_computed_tokens` catches up with its
 `num_tokens`, under one token budget (`max_num_batched_tokens`) and at most `max_num_seqs` running
 requests. Chunked prefill, decode and prefix-cache hits all fall out of that rule.
+
+`schedule()` may run again before the last step's output is back (async scheduling): a token that
+a step in flight samples counts as a placeholder (`num_output_placeholders`) that the next step
+already computes, as the worker appends what it samples. `update_from_output()` replaces it with
+the real token; a request the step in flight finishes is not scheduled past its length limit,
+and a step's output for a request that finished or was preempted meanwhile is dropped.
 """
 from __future__ import annotations
 
@@ -112,9 +118,10 @@ class Scheduler:
         while i < len(running) and budget > 0:
             request = running[i]
             num_computed = request.num_computed_tokens
-            num_new = min(len(request.all_token_ids) - num_computed, budget)
-            if num_new <= 0:
-                i += 1
+            num_tokens = len(request.all_token_ids) + request.num_output_placeholders
+            num_new = min(num_tokens - num_computed, budget)
+            if num_new <= 0 or (request.num_output_placeholders and num_tokens >= request.max_num_tokens):
+                i += 1  # caught up, or the step in flight samples its last token
                 continue
             held = req_to_blocks.get(request.request_id)
             if held is not None and num_computed + num_new <= len(held) * block_size:
@@ -181,8 +188,12 @@ class Scheduler:
                                     admitted_num_new, admitted_block_ids, preempted)
         for request, num_new in zip(running_reqs, running_num_new):
             request.num_computed_tokens += num_new
+            if request.num_computed_tokens == len(request.all_token_ids) + request.num_output_placeholders:
+                request.num_output_placeholders += 1  # this step samples a token
         for request in chain(new_reqs, resumed_reqs):
             request.num_computed_tokens += admitted_num_new[request.request_id]
+            if request.num_computed_tokens == len(request.all_token_ids):
+                request.num_output_placeholders = 1
         self.finished_req_ids = set()
         self.num_steps += 1
         return output
@@ -215,6 +226,7 @@ class Scheduler:
                 kv.cache_blocks(request, request.num_computed_tokens)
             new_token_ids = token_ids
             if token_ids:
+                request.num_output_placeholders -= 1
                 all_token_ids = request.all_token_ids
                 stop_check_token_ids = request.stop_check_token_ids
                 for i, token_id in enumerate(token_ids):
@@ -263,6 +275,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0  # a token sampled in flight is dropped, and sampled again
         request.num_preemptions += 1
         request.record_event(RequestEventType.PREEMPTED)
         self.num_preemptions += 1

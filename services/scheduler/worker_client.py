@@ -53,12 +53,22 @@ class WorkerClient:
         except grpc.aio.AioRpcError as exc:
             raise WorkerUnavailable(f"worker at {self.address}: {exc.code().name} {exc.details()}") from exc
 
-    async def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    async def submit(self, scheduler_output: SchedulerOutput) -> None:
+        """Sends a step; the worker runs steps in the order they are sent, one output each."""
         if self._stream is None:
             raise WorkerUnavailable("no stream to the worker")
         request = worker_pb2.ExecuteModelRequest(scheduler_output=worker_codec.scheduler_output_to_pb(scheduler_output))
         try:
             await self._stream.write(request)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
+            self._stream = None
+            raise WorkerUnavailable(f"worker stream broke: {exc}") from exc
+
+    async def receive(self) -> ModelRunnerOutput:
+        """The output of the oldest step sent and not yet received."""
+        if self._stream is None:
+            raise WorkerUnavailable("no stream to the worker")
+        try:
             response = await self._stream.read()
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
             self._stream = None
