@@ -104,8 +104,9 @@ def make_servers(names: list[str], dtype: str, install: bool, bf16_max_concurren
             servers.append(SpindleServer("spindle-fake", env={"SPINDLE_FAKE_MODEL": "true"}, note="fake model"))
         elif name == "spindle-bf16":
             server = SpindleServer("spindle-bf16", env={"SPINDLE_DTYPE": "bfloat16"},
-                                   note=f"bfloat16 weights and KV cache (matmuls over 2 rows widened to float32: "
-                                        f"no bfloat16 arithmetic on AVX2); c<={bf16_max_concurrency} only")
+                                   note=f"bfloat16 weights and KV cache (on a CPU without bfloat16 arithmetic, "
+                                        f"batches multiply on a float32 copy of the weights); "
+                                        f"c<={bf16_max_concurrency} only")
             server.max_concurrency = bf16_max_concurrency
             servers.append(server)
         elif name in ("transformers-serve", "llama-cpp"):
