@@ -153,12 +153,11 @@ def engine_core_output_from_pb(msg: ec_pb.EngineCoreOutput) -> m.EngineCoreOutpu
 
 def engine_core_outputs_to_pb(o: m.EngineCoreOutputs) -> ec_pb.EngineCoreOutputs:
     token_ids = o.plain_token_ids
-    counts = list(map(len, token_ids))
     msg = ec_pb.EngineCoreOutputs(
         outputs=[engine_core_output_to_pb(x) for x in o.outputs],
         timestamp=o.timestamp,
         request_ids=o.plain_req_ids,
-        num_new_token_ids=[] if counts.count(1) == len(counts) else counts,
+        num_new_token_ids=one_each_or_counts(token_ids),
         new_token_ids=list(chain.from_iterable(token_ids)),
     )
     if o.scheduler_stats is not None:
@@ -167,19 +166,24 @@ def engine_core_outputs_to_pb(o: m.EngineCoreOutputs) -> ec_pb.EngineCoreOutputs
 
 
 def engine_core_outputs_from_pb(msg: ec_pb.EngineCoreOutputs) -> m.EngineCoreOutputs:
-    plain_req_ids = list(msg.request_ids)
-    token_ids = list(msg.new_token_ids)
-    if msg.num_new_token_ids:
-        plain_token_ids = split_column(token_ids, list(msg.num_new_token_ids))
-    else:
-        plain_token_ids = [[t] for t in token_ids]  # one token each: the decode step
     return m.EngineCoreOutputs(
         outputs=[engine_core_output_from_pb(x) for x in msg.outputs],
         scheduler_stats=scheduler_stats_from_pb(msg.scheduler_stats) if msg.HasField("scheduler_stats") else None,
         timestamp=msg.timestamp,
-        plain_req_ids=plain_req_ids,
-        plain_token_ids=plain_token_ids,
+        plain_req_ids=list(msg.request_ids),
+        plain_token_ids=split_one_each_or_counts(list(msg.new_token_ids), list(msg.num_new_token_ids)),
     )
+
+
+def one_each_or_counts(lists: list[list[int]]) -> list[int]:
+    """The count column of token lists: empty when each holds exactly one token (a decode step)."""
+    counts = list(map(len, lists))
+    return [] if counts.count(1) == len(counts) else counts
+
+
+def split_one_each_or_counts(flat: list[int], counts: list[int]) -> list[list[int]]:
+    """Inverse of `one_each_or_counts`: empty counts mean one token each."""
+    return split_column(flat, counts) if counts else [[t] for t in flat]
 
 
 def split_column(flat: list[int], counts: list[int]) -> list[list[int]]:

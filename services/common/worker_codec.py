@@ -12,7 +12,9 @@ from services.common.codec import (
     flat_from_pb,
     sampling_params_from_pb,
     sampling_params_to_pb,
+    one_each_or_counts,
     split_column,
+    split_one_each_or_counts,
     token_logprobs_from_pb,
     token_logprobs_to_pb,
 )
@@ -108,11 +110,10 @@ def scheduler_output_from_pb(msg: w_pb.SchedulerOutput) -> m.SchedulerOutput:
 
 def model_runner_output_to_pb(o: m.ModelRunnerOutput) -> w_pb.ModelRunnerOutput:
     sampled = o.sampled_token_ids
-    counts = list(map(len, sampled))
     msg = w_pb.ModelRunnerOutput(
         req_ids=o.req_ids,
         sampled_token_ids=list(chain.from_iterable(sampled)),
-        num_sampled_token_ids=[] if counts.count(1) == len(counts) else counts,
+        num_sampled_token_ids=one_each_or_counts(sampled),
         prepare_ns=o.prepare_ns,
         forward_ns=o.forward_ns,
         sample_ns=o.sample_ns,
@@ -128,11 +129,7 @@ def model_runner_output_to_pb(o: m.ModelRunnerOutput) -> w_pb.ModelRunnerOutput:
 
 def model_runner_output_from_pb(msg: w_pb.ModelRunnerOutput) -> m.ModelRunnerOutput:
     req_ids = list(msg.req_ids)
-    token_ids = list(msg.sampled_token_ids)
-    if msg.num_sampled_token_ids:
-        sampled = split_column(token_ids, list(msg.num_sampled_token_ids))
-    else:
-        sampled = [[t] for t in token_ids]
+    sampled = split_one_each_or_counts(list(msg.sampled_token_ids), list(msg.num_sampled_token_ids))
     logprobs: list[m.TokenLogprobs | None] = [None] * len(req_ids)
     for i, lp in zip(msg.logprobs_req_indices, msg.logprobs):
         logprobs[i] = token_logprobs_from_pb(lp)

@@ -4,8 +4,9 @@ Requests and aborts go out on the stream; one EngineCoreOutputs per engine step 
 dispatched to per-request queues. A request that only wants its final output (non-streaming, no stop
 strings) is not woken every step: its outputs are held here and handed over merged when it finishes,
 so a step costs such a request one list extend instead of a task wake-up. A step's plain outputs
-(new tokens only) arrive in columns and become objects only for requests that stream. When the scheduler goes
-away, every in-flight request fails with an "unavailable" error and the client reconnects with back-off.
+(new tokens only) arrive in columns and become objects only for requests that stream. When the
+scheduler goes away, every in-flight request fails with an "unavailable" error and the client
+reconnects with back-off.
 """
 from __future__ import annotations
 

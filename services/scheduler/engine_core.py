@@ -166,8 +166,8 @@ class EngineCore:
             except WorkerStepError as exc:
                 logger.error("step %d failed on the worker: %s", step.step_id, exc)
                 failed = scheduler.abort_requests(list(step.num_scheduled_tokens))
-                self._publish([error_output(r.request_id, f"model execution failed: {exc}", "internal")
-                               for r in failed], scheduler)
+                self._publish(EngineCoreOutputs([error_output(r.request_id, f"model execution failed: {exc}",
+                                                              "internal") for r in failed]), scheduler)
                 continue
             self._publish(scheduler.update_from_output(step, runner_output), scheduler)
             if step.total_num_scheduled_tokens == 0 and not in_flight:
@@ -200,12 +200,10 @@ class EngineCore:
             try:
                 scheduler.add_request(request)
             except RequestRejected as exc:
-                self._publish([error_output(request.request_id, str(exc), exc.code)], scheduler)
+                self._publish(EngineCoreOutputs([error_output(request.request_id, str(exc), exc.code)]), scheduler)
 
-    def _publish(self, step: EngineCoreOutputs | list[EngineCoreOutput], scheduler: Scheduler | None) -> None:
+    def _publish(self, step: EngineCoreOutputs, scheduler: Scheduler | None) -> None:
         """Routes a step's outputs to the frontends that own the requests, one message each."""
-        if isinstance(step, list):
-            step = EngineCoreOutputs(step)
         if not step.outputs and not step.plain_req_ids:
             return
         if self.tracer is not None:
@@ -258,7 +256,7 @@ class EngineCore:
         requests += self._pending_adds
         self._pending_adds = []
         self._pending_aborts = []
-        self._publish([error_output(r.request_id, message, code) for r in requests], None)
+        self._publish(EngineCoreOutputs([error_output(r.request_id, message, code) for r in requests]), None)
 
     def fail_remaining(self, message: str) -> None:
         """Used at the end of a drain: whatever still runs is finished with an error."""

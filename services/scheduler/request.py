@@ -28,8 +28,8 @@ class Request:
     __slots__ = (
         "request_id", "client_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "arrival_time",
         "priority", "cache_salt", "traceparent", "status", "all_token_ids", "num_prompt_tokens",
-        "num_computed_tokens", "num_output_placeholders", "num_cached_tokens", "num_preemptions", "finish_reason", "stop_reason", "events",
-        "block_hashes", "stop_check_token_ids", "max_num_tokens",
+        "num_computed_tokens", "num_output_placeholders", "num_cached_tokens", "num_preemptions",
+        "finish_reason", "stop_reason", "events", "block_hashes", "stop_check_token_ids", "max_num_tokens",
     )
 
     def __init__(self, req: EngineCoreRequest, client_id: int = 0):

@@ -26,7 +26,6 @@ class LMHead(nn.Module):
         self.is_tied = tied_to is not None
         self.weight = tied_to.weight if tied_to is not None else nn.Parameter(torch.empty(vocab_size, hidden_size))
         self.packed_weight: torch.Tensor | None = None  # float32, oneDNN layout
-        self.has_float32_copy = False  # packed_weight is a copy of a 16-bit weight
 
     def prepack(self) -> None:
         """A oneDNN copy of the float32 CPU weight; a tied weight stays for the embedding lookup."""
@@ -37,11 +36,10 @@ class LMHead(nn.Module):
     def add_float32_copy(self) -> None:
         """Beside a 16-bit weight, a float32 oneDNN copy for projections of more than a few rows."""
         self.packed_weight = pack_weight(self.weight.float())
-        self.has_float32_copy = True
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self.has_float32_copy:
-            return linear_16bit_with_copy(hidden_states, self.weight, None, self.packed_weight, None)
-        if self.packed_weight is not None:
+        if self.packed_weight is None:
+            return linear(hidden_states, self.weight)
+        if self.weight.dtype == torch.float32:
             return packed_linear(hidden_states, self.packed_weight, None)
-        return linear(hidden_states, self.weight)
+        return linear_16bit_with_copy(hidden_states, self.weight, None, self.packed_weight, None)
