@@ -17,6 +17,7 @@ from torch import nn
 
 from services.common.model_files import resolve_model
 from services.worker.attention.backend import AttentionBackend
+from services.worker.config import cpu_has_native_bf16
 from services.worker.layers.linear import add_float32_copies, can_prepack, prepack_cpu_weights
 from services.worker.models import get_model_class
 
@@ -87,9 +88,11 @@ def load_model(
         raise ValueError(f"checkpoint in {model_path} lacks {sorted(missing)[:5]} ({len(missing)} missing)")
     net.eval().requires_grad_(False)
     num_params = sum(p.numel() for p in net.parameters())
-    num_packed = prepack_cpu_weights(net) if can_prepack(torch.device(device), dtype) else 0
+    num_packed = 0
+    if can_prepack(torch.device(device), dtype, native_bf16=cpu_has_native_bf16()):
+        num_packed = prepack_cpu_weights(net)
     num_copied = 0
-    if float32_copy and torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+    if float32_copy and not num_packed and torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16):
         num_copied = add_float32_copies(net)
     logger.info(
         "loaded %s (%s, %.0fM parameters, %s, %d matmul weights prepacked, %d with a float32 copy) in %.1f s",

@@ -77,7 +77,7 @@ class Worker:
         hf_config = load_config(resolved.path)
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         cpu_kernels = self._cpu_kernels()
-        backend, sampler = self._attention_and_sampler(head_dim, cpu_kernels)
+        backend, sampler = self._attention_and_sampler(head_dim, cpu_kernels, hf_config)
         float32_copy = self.config.cpu_float32_copy and not cpu_has_native_bf16()
         model = load_model(resolved.path, self.dtype, self.device, backend, config=hf_config,
                            float32_copy=float32_copy)
@@ -123,7 +123,7 @@ class Worker:
             return None
         return load_cpu_kernels(Path(self.config.cache_dir) if self.config.cache_dir else None)
 
-    def _attention_and_sampler(self, head_dim: int, cpu_kernels: ctypes.CDLL | None):
+    def _attention_and_sampler(self, head_dim: int, cpu_kernels: ctypes.CDLL | None, hf_config):
         """On a CPU, PyTorch with decode tokens on the compiled kernel (plain PyTorch without it);
         on a GPU the CUDA kernels (PyTorch attention for head sizes the kernels lack).
         None keeps the runner's default sampler."""
@@ -131,7 +131,10 @@ class Worker:
             return TorchAttentionBackend(), None
         if self.device.type != "cuda":
             kernel = PagedDecodeKernel(cpu_kernels) if cpu_kernels is not None else None
-            if kernel is None or not kernel.supports(self.dtype, head_dim):  # the KV cache has the model's dtype
+            num_heads = hf_config.num_attention_heads
+            num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+            # The KV cache has the model's dtype.
+            if kernel is None or not kernel.supports(self.dtype, head_dim, num_heads, num_kv_heads):
                 return TorchAttentionBackend(), None
             return CpuAttentionBackend(kernel), None
         from services.worker.attention.cupy_backend import CupyAttentionBackend

@@ -70,7 +70,8 @@ def test_mixed_batch_matches_dense_reference(backend):
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,dim,bs", [(9, 3, 64, 16), (8, 8, 128, 8), (16, 2, 64, 16), (4, 1, 32, 4)])
+@pytest.mark.parametrize("heads,kv_heads,dim,bs", [(9, 3, 64, 16), (8, 8, 128, 8), (16, 2, 64, 16), (4, 1, 32, 4),
+                                                   (16, 1, 256, 16)])
 @pytest.mark.parametrize("num_reqs", [5, 1])
 def test_decode_kernel_matches_torch_decode(decode_kernel, cache_dtype, heads, kv_heads, dim, bs, num_reqs):
     """All-decode batches with scattered block tables, padded rows and a one-token context; one
@@ -96,3 +97,11 @@ def test_decode_kernel_matches_torch_decode(decode_kernel, cache_dtype, heads, k
     assert out.dtype == cache_dtype
     tol = 1e-5 if cache_dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+
+
+def test_decode_kernel_refuses_what_it_cannot_run(decode_kernel):
+    assert decode_kernel.supports(torch.bfloat16, 64, num_heads=16, num_kv_heads=1)
+    assert not decode_kernel.supports(torch.bfloat16, 64, num_heads=17, num_kv_heads=1)  # group over 16
+    assert not decode_kernel.supports(torch.bfloat16, 64, num_heads=9, num_kv_heads=2)  # uneven groups
+    assert not decode_kernel.supports(torch.bfloat16, 60)  # not a multiple of 8
+    assert not decode_kernel.supports(torch.float16, 64)

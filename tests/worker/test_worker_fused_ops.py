@@ -8,6 +8,7 @@ from services.worker.cpu_kernels import load_cpu_kernels
 from services.worker.layers.activation import SiluAndMul
 from services.worker.layers.fused_ops import FusedOps, use_fused_ops
 from services.worker.layers.layernorm import RMSNorm
+from services.worker.layers.rotary_embedding import get_rope, rotate
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +71,52 @@ def test_layers_fall_back_for_what_the_kernels_do_not_take(ops):
     torch.testing.assert_close(norm(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps), atol=1e-6, rtol=1e-6)
     gate, up = x.chunk(2, dim=-1)
     torch.testing.assert_close(act(x), torch.nn.functional.silu(gate) * up)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens,heads,kv_heads,head_dim", [(1, 9, 3, 64), (37, 4, 4, 32), (600, 8, 2, 128)])
+def test_rope_and_cache_write_equal_pytorch_rotation_and_index_copy(ops, dtype, num_tokens, heads, kv_heads, head_dim):
+    """Bit for bit: each product and sum is rounded as PyTorch's rotate() rounds it, in both dtypes."""
+    torch.manual_seed(num_tokens + heads)
+    rope = get_rope(head_dim, 4096, {"rope_theta": 10000.0})
+    positions = torch.randint(0, 4096, (num_tokens,))
+    cos, sin = rope.cos_sin(positions, dtype)
+    qkv = (torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim) * 3).to(dtype)
+    block_size, num_blocks = 16, num_tokens // 16 + 8
+    cache = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    slots = torch.randperm((num_blocks - 1) * block_size)[:num_tokens] + block_size  # block 0 stays null
+    qk = rotate(qkv[:, : (heads + kv_heads) * head_dim].view(num_tokens, heads + kv_heads, head_dim), cos, sin)
+    expected_cache = cache.clone()
+    expected_cache[0].view(-1, kv_heads, head_dim)[slots] = qk[:, heads:]
+    expected_cache[1].view(-1, kv_heads, head_dim)[slots] = qkv[:, (heads + kv_heads) * head_dim :].view(
+        num_tokens, kv_heads, head_dim)
+    out = qkv.clone()
+    ops.rope_and_cache(out, cos, sin, slots, cache, heads, kv_heads, head_dim)
+    assert torch.equal(out[:, : (heads + kv_heads) * head_dim].view_as(qk), qk)
+    assert torch.equal(out[:, (heads + kv_heads) * head_dim :], qkv[:, (heads + kv_heads) * head_dim :])
+    assert torch.equal(cache, expected_cache)
+
+
+def test_attention_layer_takes_the_fused_path_only_where_it_applies(ops):
+    from services.worker.attention.torch_backend import TorchAttentionBackend
+    from services.worker.attention.backend import CommonAttentionMetadata
+    from services.worker.layers.attention import Attention
+
+    heads, kv_heads, head_dim, block_size = 4, 2, 16, 4
+    attn = Attention(heads, kv_heads, head_dim, head_dim**-0.5, TorchAttentionBackend())
+    attn.kv_cache = torch.zeros(2, 8, block_size, kv_heads, head_dim)
+    common = CommonAttentionMetadata(torch.tensor([0, 3]), torch.tensor([3]), torch.tensor([4, 5, 6]),
+                                     torch.tensor([[1, 0]]), block_size, [3], [3])
+    metadata = attn.backend.build_metadata(common)
+    rope = get_rope(head_dim, 64, {}).cos_sin(torch.arange(3), torch.float32)
+    qkv = torch.randn(3, (heads + 2 * kv_heads) * head_dim)
+    assert attn.forward_qkv(qkv.clone(), rope, metadata) is None  # no kernels given yet
+    qk = rotate(qkv[:, : (heads + kv_heads) * head_dim].view(3, heads + kv_heads, head_dim), *rope)
+    expected = attn(qk[:, :heads], qk[:, heads:], qkv[:, (heads + kv_heads) * head_dim :], metadata)
+    expected_cache = attn.kv_cache.clone()
+    attn.kv_cache.zero_()
+    use_fused_ops(attn, ops)
+    assert attn.forward_qkv(qkv.double(), tuple(t.double() for t in rope), metadata) is None  # float64: no kernel
+    fused = attn.forward_qkv(qkv.clone(), rope, metadata)
+    assert torch.equal(attn.kv_cache, expected_cache)
+    torch.testing.assert_close(fused, expected, atol=1e-6, rtol=1e-6)

@@ -33,9 +33,33 @@ def test_prepacked_linear_and_lm_head_equal_plain_matmuls():
             torch.testing.assert_close(head(x), F.linear(x, head.weight), rtol=1e-5, atol=1e-5)
 
 
-def test_only_float32_cpu_weights_are_prepacked():
+def test_only_float32_cpu_weights_are_prepacked_unless_the_cpu_multiplies_bf16_natively():
     assert not can_prepack(torch.device("cpu"), torch.bfloat16)
+    assert can_prepack(torch.device("cpu"), torch.bfloat16, native_bf16=True)
+    assert not can_prepack(torch.device("cpu"), torch.float16, native_bf16=True)
     assert not can_prepack(torch.device("cuda"), torch.float32)
+    assert not can_prepack(torch.device("cuda"), torch.bfloat16, native_bf16=True)
+
+
+def test_prepacked_bf16_linear_and_lm_head_multiply_natively_at_every_batch_size():
+    torch.manual_seed(4)
+    layer = Linear(48, 700, bias=True)
+    with torch.no_grad():
+        layer.weight.normal_(), layer.bias.normal_()
+    layer.to(torch.bfloat16)
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    head = _head(900, 48)
+    head.weight.data = head.weight.data.bfloat16()
+    assert prepack_cpu_weights(nn.ModuleList([layer, head])) == 2
+    assert layer.weight.numel() == 0 and layer.packed_weight.dtype == torch.bfloat16  # no float32 copy
+    assert head.weight.shape == (900, 48)  # tied: the embedding still reads it
+    for num_rows in (1, 2, 3, 64):
+        x = torch.randn(num_rows, 48).bfloat16()
+        with torch.inference_mode():
+            out, logits = layer(x), head(x)
+        assert out.dtype == logits.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), F.linear(x.float(), weight.float(), bias.float()), rtol=1e-2, atol=5e-2)
+        torch.testing.assert_close(logits.float(), F.linear(x.float(), head.weight.float()), rtol=1e-2, atol=5e-2)
 
 
 def test_bf16_linear_widens_above_two_rows_and_matches_float32_math():

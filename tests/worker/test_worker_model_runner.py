@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from services.common.messages import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from services.worker import model_loader
 from worker_helpers import VOCAB_SIZE, MiniScheduler, hf_greedy, make_runner
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -31,23 +32,42 @@ def test_batched_greedy_matches_transformers(model_fixture, request):
         assert scheduler.outputs(req_id) == hf_greedy(model_dir, prompt, 10), req_id
 
 
+def _bf16_greedy_tokens(model_dir, prompts: dict[str, list[int]], **runner_kwargs) -> dict[str, list[int]]:
+    runner = make_runner(model_dir, block_size=4, dtype=torch.bfloat16, **runner_kwargs)
+    scheduler = MiniScheduler(block_size=4, token_budget=32)
+    for req_id, prompt in prompts.items():
+        scheduler.add(req_id, prompt, max_tokens=8)
+    scheduler.run(runner)
+    return {req_id: scheduler.outputs(req_id) for req_id in prompts}
+
+
 @pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
-def test_bf16_float32_weight_copy_gives_the_same_greedy_tokens(model_fixture, request):
-    """bfloat16 weights: batches of more than 2 rows multiply on the float32 copy or on weights
-    widened per call; both round one float32 product, so the tokens agree."""
+def test_bf16_float32_weight_copy_gives_the_same_greedy_tokens(model_fixture, request, monkeypatch):
+    """bfloat16 weights on a CPU without native bfloat16: batches of more than 2 rows multiply on
+    the float32 copy or on weights widened per call; both round one float32 product, so the
+    tokens agree."""
+    monkeypatch.setattr(model_loader, "cpu_has_native_bf16", lambda: False)
     model_dir = request.getfixturevalue(model_fixture)
     prompts = _prompts([23, 9, 41, 16], seed=4)
-    tokens = []
-    for float32_copy in (True, False):
-        runner = make_runner(model_dir, block_size=4, dtype=torch.bfloat16, float32_copy=float32_copy)
-        assert any(getattr(m, "packed_weight", None) is not None for m in runner.model.modules()) == float32_copy
-        scheduler = MiniScheduler(block_size=4, token_budget=32)
-        for req_id, prompt in prompts.items():
-            scheduler.add(req_id, prompt, max_tokens=8)
-        scheduler.run(runner)
-        tokens.append({req_id: scheduler.outputs(req_id) for req_id in prompts})
-    assert tokens[0] == tokens[1]
-    assert all(len(t) == 8 for t in tokens[0].values())
+    with_copy = _bf16_greedy_tokens(model_dir, prompts, float32_copy=True)
+    widened = _bf16_greedy_tokens(model_dir, prompts, float32_copy=False)
+    assert with_copy == widened
+    assert all(len(t) == 8 for t in with_copy.values())
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+def test_bf16_weights_prepacked_natively_give_the_same_greedy_tokens(model_fixture, request, monkeypatch):
+    """On a CPU with native bfloat16 the weights are prepacked as they are and multiplied in
+    bfloat16 with float32 sums, as the float32-copy path rounds its float32 products."""
+    model_dir = request.getfixturevalue(model_fixture)
+    prompts = _prompts([23, 9, 41, 16], seed=4)
+    monkeypatch.setattr(model_loader, "cpu_has_native_bf16", lambda: False)
+    with_copy = _bf16_greedy_tokens(model_dir, prompts, float32_copy=True)
+    monkeypatch.setattr(model_loader, "cpu_has_native_bf16", lambda: True)
+    runner = make_runner(model_dir, block_size=4, dtype=torch.bfloat16, float32_copy=True)
+    packed = [m for m in runner.model.modules() if getattr(m, "weight_is_packed", False)]
+    assert packed and all(m.packed_weight.dtype == torch.bfloat16 for m in packed)
+    assert _bf16_greedy_tokens(model_dir, prompts, float32_copy=True) == with_copy
 
 
 def test_prompt_prefilled_in_two_chunks(tiny_llama_dir):

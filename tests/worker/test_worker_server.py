@@ -12,12 +12,13 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common import worker_codec
 from services.common.messages import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from services.common.pb import worker_pb2, worker_pb2_grpc
-from services.worker.config import WorkerConfig
+from services.worker.config import WorkerConfig, resolve_dtype
 from services.worker.server import WorkerServer
 from worker_helpers import hf_greedy
 
@@ -120,7 +121,9 @@ def test_worker_process_starts_serves_and_stops_on_sigterm(tiny_llama_dir, tmp_p
                 break
         ready = [l for l in lines if "worker ready on" in l]
         assert ready, "".join(lines)
-        assert "dtype float32" in ready[0] and "KV blocks" in ready[0]
+        # --dtype auto: bfloat16 where the CPU multiplies it natively, else float32.
+        expected_dtype = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
+        assert f"dtype {expected_dtype}" in ready[0] and "KV blocks" in ready[0]
         address = ready[0].split("worker ready on ")[1].split()[0]
         with grpc.insecure_channel(address) as channel:
             spec = worker_pb2_grpc.WorkerServiceStub(channel).DescribeKVCache(worker_pb2.DescribeKVCacheRequest())

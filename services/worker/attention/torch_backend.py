@@ -91,12 +91,16 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, query, key, value, kv_cache, metadata: TorchAttentionMetadata, scale):
         num_kv_heads, head_dim = key.shape[1], key.shape[2]
+        # Write in place through the slot mapping: the cache never grows or gets concatenated.
+        kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, key)
+        kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, value)
+        return self.attend(query, key, value, kv_cache, metadata, scale)
+
+    def attend(self, query, key, value, kv_cache, metadata: TorchAttentionMetadata, scale):
+        """`forward` for a step whose key/value are already in `kv_cache` (the fused CPU kernel wrote them)."""
+        head_dim = key.shape[2]
         num_heads = query.shape[1]
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        # Write in place through the slot mapping: the cache never grows or gets concatenated.
-        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, key)
-        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, value)
-
         if metadata.is_all_decode:
             return self._decode(query, key_cache, value_cache, metadata, scale)
         output = torch.empty(query.shape[0], num_heads * head_dim, dtype=query.dtype, device=query.device)

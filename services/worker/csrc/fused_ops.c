@@ -3,7 +3,9 @@
  *
  * - add_rms_norm: residual += x, then x = rms_norm(residual) * weight (both in place);
  * - rms_norm: out = rms_norm(x) * weight;
- * - silu_and_mul: out[t] = silu(x[t, :n]) * x[t, n:].
+ * - silu_and_mul: out[t] = silu(x[t, :n]) * x[t, n:];
+ * - rope_cache: rotates q and k inside the fused qkv projection output (rotate-half RoPE) and
+ *   writes k and v into the paged KV cache at each token's slot.
  * Rows are [num_tokens, hidden] and contiguous; float32 or bfloat16 (raw uint16) storage, float32
  * arithmetic, and bfloat16 results rounded to nearest even where PyTorch rounds, so the bfloat16
  * results equal PyTorch's op for op. Rows are split over OpenMP threads when there are enough.
@@ -13,6 +15,16 @@
 #include <string.h>
 
 #include "vec.h"
+
+/* The rotation must round each product as PyTorch (and Hugging Face's Llama) does: no fused
+ * multiply-add, which GCC would otherwise form under its default -ffp-contract=fast. */
+#if defined(__clang__)
+#define EXACT_PRODUCTS _Pragma("clang fp contract(off)")
+#define EXACT_PRODUCTS_ATTR
+#else
+#define EXACT_PRODUCTS
+#define EXACT_PRODUCTS_ATTR __attribute__((optimize("fp-contract=off")))
+#endif
 
 /* Below this many elements a thread team costs more than it saves. */
 #define MIN_PARALLEL_ELEMENTS 32768
@@ -111,7 +123,39 @@ static inline v8f silu8(v8f g) {
     }                                                                                            \
   }
 
+/* qkv [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]: q and k heads rotated in place by
+ * cos/sin [num_tokens, head_dim / 2] in PyTorch's order (x1 * cos - x2 * sin and x2 * cos + x1 * sin,
+ * each product and the sum rounded to the storage type), then k and v copied into key_cache and
+ * value_cache [num_slots, num_kv_heads * head_dim] at slots[t]. */
+#define DEFINE_ROPE_CACHE(SUFFIX, T, LOAD, STORE, ROUND)                                         \
+  EXACT_PRODUCTS_ATTR void rope_cache_##SUFFIX(                                                 \
+      T *qkv, const T *cos, const T *sin, const int64_t *slots, T *key_cache, T *value_cache,    \
+      int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {           \
+    EXACT_PRODUCTS                                                                               \
+    const int64_t half = head_dim / 2, kv_width = num_kv_heads * head_dim;                       \
+    const int64_t width = (num_heads + 2 * num_kv_heads) * head_dim;                             \
+    _Pragma("omp parallel for schedule(static) if(num_tokens * width >= MIN_PARALLEL_ELEMENTS)") \
+    for (int64_t t = 0; t < num_tokens; t++) {                                                   \
+      T *row = qkv + t * width;                                                                  \
+      const T *c = cos + t * half, *s = sin + t * half;                                          \
+      for (int64_t h = 0; h < num_heads + num_kv_heads; h++) {                                   \
+        T *x = row + h * head_dim;                                                               \
+        _Pragma("omp simd")                                                                      \
+        for (int64_t i = 0; i < half; i++) {                                                     \
+          const float x1 = LOAD(x[i]), x2 = LOAD(x[i + half]), ci = LOAD(c[i]), si = LOAD(s[i]); \
+          x[i] = STORE(ROUND(x1 * ci) - ROUND(x2 * si));                                         \
+          x[i + half] = STORE(ROUND(x2 * ci) + ROUND(x1 * si));                                  \
+        }                                                                                        \
+      }                                                                                          \
+      const T *k = row + num_heads * head_dim;                                                   \
+      memcpy(key_cache + slots[t] * kv_width, k, sizeof(T) * kv_width);                          \
+      memcpy(value_cache + slots[t] * kv_width, k + kv_width, sizeof(T) * kv_width);             \
+    }                                                                                            \
+  }
+
 DEFINE_NORM(f32, float, LOAD_F32, STORE_F32, ROUND_F32)
 DEFINE_NORM(bf16, uint16_t, LOAD_BF16, STORE_BF16, ROUND_BF16)
 DEFINE_SILU(f32, float, LOAD_F32, STORE_F32, ROUND_F32, load_f32, store_f32, identity)
 DEFINE_SILU(bf16, uint16_t, LOAD_BF16, STORE_BF16, ROUND_BF16, load_bf16, store_bf16, round_bf16)
+DEFINE_ROPE_CACHE(f32, float, LOAD_F32, STORE_F32, ROUND_F32)
+DEFINE_ROPE_CACHE(bf16, uint16_t, LOAD_BF16, STORE_BF16, ROUND_BF16)

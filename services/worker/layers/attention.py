@@ -24,6 +24,7 @@ class Attention(nn.Module):
         self.scale = scale
         self.backend = backend
         self.kv_cache: torch.Tensor | None = None
+        self.fused_ops = None  # the compiled CPU kernels (layers/fused_ops.py), when the worker has them
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
         """q [T, H*D], k and v [T, H_kv*D] (or already split into heads) -> [T, H*D]."""
@@ -35,6 +36,30 @@ class Attention(nn.Module):
             k.view(num_tokens, self.num_kv_heads, self.head_dim),
             v.view(num_tokens, self.num_kv_heads, self.head_dim),
             self.kv_cache,
+            attn_metadata,
+            self.scale,
+        )
+
+    def forward_qkv(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                    attn_metadata: Any) -> torch.Tensor | None:
+        """The fused CPU path from the qkv projection [T, (H + 2 H_kv) D]: one kernel rotates q and
+        k in place and writes k and v into the cache, then the backend attends over the cache.
+        None where it does not apply (no kernels, another dtype, a backend that writes its own
+        cache); the caller then rotates and calls `forward`."""
+        ops, cache, (cos, sin) = self.fused_ops, self.kv_cache, rope
+        attend = getattr(self.backend, "attend", None)
+        if ops is None or attend is None or cache is None or not ops.supports(qkv) or \
+                not (qkv.dtype == cache.dtype == cos.dtype == sin.dtype):
+            return None
+        ops.rope_and_cache(qkv, cos, sin, attn_metadata.slot_mapping, cache, self.num_heads, self.num_kv_heads,
+                           self.head_dim)
+        num_tokens, q_width = qkv.shape[0], self.num_heads * self.head_dim
+        kv_width = self.num_kv_heads * self.head_dim
+        return attend(
+            qkv[:, :q_width].view(num_tokens, self.num_heads, self.head_dim),
+            qkv[:, q_width : q_width + kv_width].view(num_tokens, self.num_kv_heads, self.head_dim),
+            qkv[:, q_width + kv_width :].view(num_tokens, self.num_kv_heads, self.head_dim),
+            cache,
             attn_metadata,
             self.scale,
         )

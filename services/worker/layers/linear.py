@@ -6,7 +6,10 @@ so one matmul replaces several; `load_shard` copies one of them into its slice a
 On a CPU, float32 weights are repacked once after loading into oneDNN's blocked layout
 (`prepack_cpu_weights`): BLAS otherwise re-packs every weight on every call, which at decode batch
 sizes costs as much as the multiply (measured: 30 layers' matmuls at 64 rows 259 -> 184 ms, at
-2048 rows 4.6 -> 3.5 s, the 113 MB LM head at one row 22 -> 12 ms).
+2048 rows 4.6 -> 3.5 s, the 113 MB LM head at one row 22 -> 12 ms). On a CPU with native bfloat16
+arithmetic (AVX512_BF16 or AMX), bfloat16 weights are prepacked the same way and multiplied
+natively at every batch size: about 400 GFLOP/s against float32's 210 at 64 rows on a 2-core
+AVX512_BF16 machine, and the LM head at one row 3.3 -> 1.6 ms.
 
 `linear` is the matmul every layer calls. On a CPU without native bfloat16 arithmetic (AVX2),
 a bfloat16 matmul of more than a couple of rows is emulated and several times slower than
@@ -33,13 +36,16 @@ class Linear(nn.Module):
         self.output_size = output_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size))
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
-        self.packed_weight: torch.Tensor | None = None  # float32, oneDNN layout, after prepack()
+        # oneDNN layout: the weight itself after prepack(), or a float32 copy beside a 16-bit weight.
+        self.packed_weight: torch.Tensor | None = None
         self.packed_bias: torch.Tensor | None = None  # float32, beside a 16-bit weight's packed copy
+        self.weight_is_packed = False
 
     def prepack(self) -> None:
-        """Repacks the float32 CPU weight for oneDNN and frees the plain copy."""
+        """Repacks the CPU weight for oneDNN in its own dtype and frees the plain copy."""
         self.packed_weight = pack_weight(self.weight)
         self.weight.data = self.weight.data.new_empty(0)
+        self.weight_is_packed = True
 
     def add_float32_copy(self) -> None:
         """Beside a 16-bit weight, a float32 oneDNN copy for matmuls of more than a few rows."""
@@ -49,7 +55,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is None:
             return linear(x, self.weight, self.bias)
-        if self.weight.dtype == torch.float32:  # a prepacked float32 model
+        if self.weight_is_packed:
             return packed_linear(x, self.packed_weight, self.bias)
         return linear_16bit_with_copy(x, self.weight, self.bias, self.packed_weight, self.packed_bias)
 
@@ -112,7 +118,7 @@ def linear_16bit_with_copy(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A float32 CPU weight [out, in] in oneDNN's blocked layout, for `packed_linear`."""
+    """A float32 or bfloat16 CPU weight [out, in] in oneDNN's blocked layout, for `packed_linear`."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
@@ -120,10 +126,11 @@ def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tens
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed_weight, bias, "none", [], "")
 
 
-def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
+def can_prepack(device: torch.device, dtype: torch.dtype, native_bf16: bool = False) -> bool:
+    """float32 CPU weights, and bfloat16 ones where the CPU multiplies bfloat16 natively."""
     return (
         device.type == "cpu"
-        and dtype == torch.float32
+        and (dtype == torch.float32 or (dtype == torch.bfloat16 and native_bf16))
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     )

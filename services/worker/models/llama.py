@@ -44,6 +44,9 @@ class LlamaAttention(nn.Module):
         """`rope`: this step's (cos, sin) from `rotary_emb.cos_sin`, the same for every layer."""
         num_tokens = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)
+        fused = self.attn.forward_qkv(qkv, rope, attn_metadata)
+        if fused is not None:
+            return self.o_proj(fused)
         # q and k sit side by side in the fused output: rotate them in one pass.
         num_qk_heads = self.num_heads + self.num_kv_heads
         qk = rotate(qkv[:, : num_qk_heads * self.head_dim].view(num_tokens, num_qk_heads, self.head_dim), *rope)
