@@ -33,8 +33,12 @@ def scheduler_output_to_pb(s: m.SchedulerOutput) -> w_pb.SchedulerOutput:
     # Batch order, as the scheduler built it: new requests, then cached ones.
     order = [r.req_id for r in new_reqs] + c.req_ids
     counts = s.num_scheduled_tokens
+    # The dict's key order is the batch order whenever it holds every request (the scheduler's case).
+    num_scheduled = list(counts.values()) if len(counts) == len(order) and list(counts) == order \
+        else [counts.get(req_id, 0) for req_id in order]
     is_resumed = c.resumed_from_preemption
-    resumed = [t for t, r in zip(c.resumed_token_ids, is_resumed) if r] if any(is_resumed) else []
+    any_resumed = any(is_resumed)
+    resumed = [t for t, r in zip(c.resumed_token_ids, is_resumed) if r] if any_resumed else []
     return w_pb.SchedulerOutput(
         scheduled_new_reqs=[
             w_pb.NewRequestData(
@@ -49,14 +53,14 @@ def scheduler_output_to_pb(s: m.SchedulerOutput) -> w_pb.SchedulerOutput:
         ],
         scheduled_cached_reqs=w_pb.CachedRequestData(
             req_ids=c.req_ids,
-            resumed_from_preemption=is_resumed,
+            resumed_from_preemption=is_resumed if any_resumed else [],
             num_computed_tokens=c.num_computed_tokens,
             new_block_ids=list(chain.from_iterable(c.new_block_ids)),
             num_new_block_ids=_counts(c.new_block_ids),
             resumed_token_ids=list(chain.from_iterable(resumed)),
             num_resumed_token_ids=list(map(len, resumed)),
         ),
-        num_scheduled_tokens=[counts.get(req_id, 0) for req_id in order],
+        num_scheduled_tokens=[] if num_scheduled.count(1) == len(num_scheduled) else num_scheduled,
         total_num_scheduled_tokens=s.total_num_scheduled_tokens,
         finished_req_ids=sorted(s.finished_req_ids),
         preempted_req_ids=sorted(s.preempted_req_ids),
@@ -79,7 +83,7 @@ def scheduler_output_from_pb(msg: w_pb.SchedulerOutput) -> m.SchedulerOutput:
     ]
     req_ids = list(c.req_ids)
     num_reqs = len(req_ids)
-    is_resumed = list(c.resumed_from_preemption)
+    is_resumed = list(c.resumed_from_preemption) or [False] * num_reqs
     if c.num_new_block_ids:
         new_block_ids = split_column(list(c.new_block_ids), list(c.num_new_block_ids))
     else:
@@ -100,7 +104,8 @@ def scheduler_output_from_pb(msg: w_pb.SchedulerOutput) -> m.SchedulerOutput:
             resumed_token_ids=resumed_token_ids,
         ),
         # Key order is the batch order; requests given no tokens were not in the decision.
-        num_scheduled_tokens={r: n for r, n in zip(order, msg.num_scheduled_tokens) if n},
+        num_scheduled_tokens={r: n for r, n in zip(order, msg.num_scheduled_tokens) if n}
+        if msg.num_scheduled_tokens else dict.fromkeys(order, 1),
         total_num_scheduled_tokens=msg.total_num_scheduled_tokens,
         finished_req_ids=set(msg.finished_req_ids),
         preempted_req_ids=set(msg.preempted_req_ids),

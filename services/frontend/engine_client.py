@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator, Sequence
 import grpc
 
 from services.common import codec
+from services.common.gc_tuning import freeze_startup_objects
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.messages import (
     EngineCoreOutput,
@@ -146,8 +147,7 @@ class EngineClient:
                 if not self._connected.is_set() and gc.get_freeze_count() == 0:
                     # Start-up objects (tokenizer, libraries) live for good: out of the full GC passes,
                     # which would otherwise stall output dispatch for tens of ms now and then.
-                    gc.collect()
-                    gc.freeze()
+                    freeze_startup_objects()
                 self._connected.set()
                 logger.info("connected to scheduler %s (model %s)", self.scheduler_addr, self.info.model_name)
                 backoff_s = 0.2

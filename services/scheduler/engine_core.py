@@ -16,6 +16,7 @@ import time
 from collections import deque
 from typing import Callable
 
+from services.common.gc_tuning import freeze_startup_objects
 from services.common.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -124,8 +125,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.config, spec.num_blocks, spec.block_size, spec.max_model_len)
         # The block pool (one object per KV block, often 1e5) lives as long as the engine: keep it out of
         # the collector's full passes, each of which would otherwise stall a step for tens of ms.
-        gc.collect()
-        gc.freeze()
+        freeze_startup_objects()
         self.info = EngineInfo(
             model_name=spec.model_name,
             max_model_len=self.scheduler.max_model_len,

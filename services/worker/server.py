@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from services.common import worker_codec as codec
+from services.common.gc_tuning import freeze_startup_objects
 from services.common.grpc_server import GrpcServer, install_stop_signals
 from services.common.metrics_server import MetricsServer, listen_host
 from services.common.pb import worker_pb2, worker_pb2_grpc
@@ -147,6 +148,7 @@ async def serve(config: WorkerConfig) -> int:
         logger.error("worker failed to start: %s", exc, exc_info=None if is_user_error else exc)
         code = 1
     elif not stop.is_set():
+        freeze_startup_objects()  # the model's modules live for good
         await stopped
     logger.info("worker stopping (grace %.0f s)", config.shutdown_timeout)
     await server.stop(config.shutdown_timeout)

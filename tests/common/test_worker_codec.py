@@ -23,15 +23,29 @@ def test_scheduler_output_round_trip_keeps_batch_order_and_resumed_tokens():
     assert list(back.num_scheduled_tokens) == ["n1", "a", "b", "c"]
 
 
-def test_decode_step_without_new_blocks_sends_no_per_request_counts():
+def test_decode_step_without_new_blocks_sends_no_per_request_counts_or_flags():
     so = m.SchedulerOutput(
         scheduled_cached_reqs=m.CachedRequestData(req_ids=["a", "b"], resumed_from_preemption=[False, False],
                                                   new_block_ids=[[], []], num_computed_tokens=[3, 4],
                                                   resumed_token_ids=[[], []]),
         num_scheduled_tokens={"a": 1, "b": 1}, total_num_scheduled_tokens=2)
     msg = worker_codec.scheduler_output_to_pb(so)
-    assert not msg.scheduled_cached_reqs.num_new_block_ids and not msg.scheduled_cached_reqs.resumed_token_ids
-    assert worker_codec.scheduler_output_from_pb(_wire(msg)) == so
+    cached = msg.scheduled_cached_reqs
+    assert not cached.num_new_block_ids and not cached.resumed_token_ids
+    assert not cached.resumed_from_preemption and not msg.num_scheduled_tokens  # one token each, none resumed
+    back = worker_codec.scheduler_output_from_pb(_wire(msg))
+    assert back == so and list(back.num_scheduled_tokens) == ["a", "b"]
+
+
+def test_counts_are_sent_when_any_request_gets_other_than_one_token():
+    so = m.SchedulerOutput(
+        scheduled_cached_reqs=m.CachedRequestData(req_ids=["a", "b"], resumed_from_preemption=[False, False],
+                                                  new_block_ids=[[], []], num_computed_tokens=[3, 4],
+                                                  resumed_token_ids=[[], []]),
+        num_scheduled_tokens={"b": 5, "a": 1}, total_num_scheduled_tokens=6)  # not in batch order
+    msg = worker_codec.scheduler_output_to_pb(so)
+    assert list(msg.num_scheduled_tokens) == [1, 5]  # batch order: the cached requests' order
+    assert worker_codec.scheduler_output_from_pb(_wire(msg)).num_scheduled_tokens == {"a": 1, "b": 5}
 
 
 def test_model_runner_output_round_trip():

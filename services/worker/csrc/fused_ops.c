@@ -97,7 +97,7 @@ static inline v8f silu8(v8f g) {
   bits |= (v8i){0} + (int32_t)0x80000000; /* -|g| */
   memcpy(&minus_abs, &bits, sizeof bits);
   const v8f e = exp_nonpositive(minus_abs);
-  const v8f positive_sigmoid = 1.0f / (1.0f + e), negative_sigmoid = e / (1.0f + e);
+  const v8f positive_sigmoid = 1.0f / (1.0f + e), negative_sigmoid = e * positive_sigmoid; /* one division */
   v8i ps, ns;
   memcpy(&ps, &positive_sigmoid, sizeof ps);
   memcpy(&ns, &negative_sigmoid, sizeof ns);
