@@ -89,45 +89,152 @@ static inline float softmax_numerators(float *s, int64_t n, float max_score) {
   return sum;
 }
 
-/* Rows t0 .. t0+n of one KV head as float32 rows: in place for a float32 cache, else widened
- * into `buf`. Rows past n repeat row t0, so the loops over a chunk never branch. The block walk
- * steps one row at a time: a division per row cost as much as the row's arithmetic. The next
- * chunk's rows are prefetched: rows a chunk apart lie more than a page apart, where the hardware
- * prefetchers stop (without it a float32 cache read 30% slower than with one query head a pass). */
-#define DEFINE_ROWS(NAME, T, LOAD, IN_PLACE)                                                     \
+/* Pointers to rows t0 .. t0+n of one KV head; rows past n repeat row t0, so the loops over a
+ * chunk never branch. The block walk steps one row at a time: a division per row cost as much as
+ * the row's arithmetic. The next chunk's rows are prefetched: rows a chunk apart lie more than a
+ * page apart, where the hardware prefetchers stop (without it a float32 cache read 30% slower than
+ * with one query head a pass). */
+#define DEFINE_ROW_POINTERS(NAME, T)                                                             \
   static inline __attribute__((always_inline)) void NAME(                                        \
       const T *cache, const int64_t *blocks, int64_t t0, int64_t seq_len, int64_t row,           \
-      int block_size, float *buf, const int lanes, const float *rows[CHUNK]) {                   \
+      int block_size, int head_dim, const T *rows[CHUNK]) {                                      \
     const int64_t n = seq_len - t0 < CHUNK ? seq_len - t0 : CHUNK;                               \
     int64_t block = t0 / block_size, offset = t0 % block_size;                                   \
     const T *first = cache + (blocks[block] * block_size + offset) * row;                        \
     for (int j = 0; j < CHUNK; j++) {                                                            \
-      const T *r = first;                                                                        \
+      rows[j] = first;                                                                           \
       if (j < n) {                                                                               \
-        r = cache + (blocks[block] * block_size + offset) * row;                                 \
+        rows[j] = cache + (blocks[block] * block_size + offset) * row;                           \
         if (++offset == block_size) offset = 0, block++;                                         \
-      }                                                                                          \
-      if (IN_PLACE) {                                                                            \
-        rows[j] = (const float *)(const void *)r;                                                \
-      } else {                                                                                   \
-        float *dst = buf + j * 8 * lanes;                                                        \
-        for (int l = 0; l < lanes; l++) store_f32(dst + 8 * l, LOAD(r + 8 * l));                 \
-        rows[j] = dst;                                                                           \
       }                                                                                          \
     }                                                                                            \
     const int64_t next = seq_len - t0 - n < CHUNK ? seq_len - t0 - n : CHUNK;                    \
     for (int64_t j = 0; j < next; j++) {                                                         \
       const char *r = (const char *)(cache + (blocks[block] * block_size + offset) * row);       \
-      for (int b = 0; b < 8 * lanes * (int)sizeof(T); b += 64) __builtin_prefetch(r + b);        \
+      for (int b = 0; b < head_dim * (int)sizeof(T); b += 64) __builtin_prefetch(r + b);         \
       if (++offset == block_size) offset = 0, block++;                                           \
     }                                                                                            \
   }
 
-DEFINE_ROWS(rows_f32, float, load_f32, 1)
-DEFINE_ROWS(rows_bf16, uint16_t, load_bf16, 0)
+DEFINE_ROW_POINTERS(row_pointers_f32, float)
+DEFINE_ROW_POINTERS(row_pointers_bf16, uint16_t)
+
+/* The chunk's rows as float32: in place for a float32 cache, widened into `buf` for bfloat16. */
+static inline __attribute__((always_inline)) void rows_f32(
+    const float *cache, const int64_t *blocks, int64_t t0, int64_t seq_len, int64_t row,
+    int block_size, float *buf, const int lanes, const float *rows[CHUNK]) {
+  (void)buf;
+  row_pointers_f32(cache, blocks, t0, seq_len, row, block_size, 8 * lanes, rows);
+}
+
+static inline __attribute__((always_inline)) void rows_bf16(
+    const uint16_t *cache, const int64_t *blocks, int64_t t0, int64_t seq_len, int64_t row,
+    int block_size, float *buf, const int lanes, const float *rows[CHUNK]) {
+  const uint16_t *raw[CHUNK];
+  row_pointers_bf16(cache, blocks, t0, seq_len, row, block_size, 8 * lanes, raw);
+  for (int j = 0; j < CHUNK; j++) {
+    float *dst = buf + j * 8 * lanes;
+    for (int l = 0; l < lanes; l++) store_f32(dst + 8 * l, load_bf16(raw[j] + 8 * l));
+    rows[j] = dst;
+  }
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+/* The key pass for a bfloat16 cache where the CPU has VDPBF16PS: the query heads rounded to
+ * bfloat16 pairs once (exact for a bfloat16 model's queries), multiplied with the cached keys as
+ * they lie, 32 products a call summed in float32, so the keys are never widened. */
+#include <immintrin.h>
+#define HAVE_BF16_DOT 1
+
+static inline int key_scores_bf16_dot(const float *q, const uint16_t *key_cache, const int64_t *blocks,
+                                      int64_t seq_len, int64_t row, int block_size, float scale,
+                                      float *scores, int64_t padded, int group, int head_dim, v8f *max8) {
+  if (head_dim % 32) return 0;
+  const int num_pairs = head_dim / 32;
+  __m512bh qb[MAX_GROUP][MAX_HEAD_DIM / 32];
+  for (int g = 0; g < group; g++)
+    for (int c = 0; c < num_pairs; c++)
+      qb[g][c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + g * head_dim + 32 * c + 16),
+                                     _mm512_loadu_ps(q + g * head_dim + 32 * c));
+  const uint16_t *rows[CHUNK];
+  for (int64_t t0 = 0; t0 < seq_len; t0 += CHUNK) {
+    const int64_t n = seq_len - t0 < CHUNK ? seq_len - t0 : CHUNK;
+    row_pointers_bf16(key_cache, blocks, t0, seq_len, row, block_size, head_dim, rows);
+    for (int g = 0; g < group; g++) {
+      v8f d[CHUNK];
+      for (int j = 0; j < CHUNK; j++) {
+        __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[g][0], (__m512bh)_mm512_loadu_si512(rows[j]));
+        for (int c = 1; c < num_pairs; c++)
+          dot = _mm512_dpbf16_ps(dot, qb[g][c], (__m512bh)_mm512_loadu_si512(rows[j] + 32 * c));
+        const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(dot), 1));
+        d[j] = (v8f)_mm256_add_ps(_mm512_castps512_ps256(dot), high);
+      }
+      v8f s = sum_lanes8(d) * scale;
+      for (int j = (int)n; j < CHUNK; j++) s[j] = -INFINITY;
+      store_f32(scores + g * padded + t0, s);
+      max8[g] = vmax(max8[g], s);
+    }
+  }
+  return 1;
+}
+static inline uint32_t bf16_pair(float low, float high) {
+  const __m128bh h = _mm_cvtneps_pbh(_mm_setr_ps(low, high, 0.f, 0.f));
+  uint32_t pair;
+  memcpy(&pair, &h, sizeof pair);
+  return pair;
+}
+
+/* The value pass for a bfloat16 cache where the CPU has VDPBF16PS: two keys' value rows are
+ * interleaved (one VPERMT2W per 16 dimensions) and weighted by their probabilities rounded to
+ * bfloat16, as GPU flash attention rounds them; the sums stay float32. acc [group][head_dim]. */
+static inline int value_sums_bf16_dot(const uint16_t *value_cache, const int64_t *blocks, int64_t seq_len,
+                                      int64_t row, int block_size, const float *probs, int64_t padded,
+                                      int group, int head_dim, float *acc) {
+  if (head_dim % 32) return 0;
+  const int num_vectors = head_dim / 16;
+  uint16_t low_index[32], high_index[32];
+  for (int i = 0; i < 32; i++) {
+    low_index[i] = (uint16_t)(i / 2 + (i % 2 ? 32 : 0));
+    high_index[i] = (uint16_t)(low_index[i] + 16);
+  }
+  const __m512i low = _mm512_loadu_si512(low_index), high = _mm512_loadu_si512(high_index);
+  __m512 sums[MAX_GROUP][MAX_HEAD_DIM / 16];
+  for (int g = 0; g < group; g++)
+    for (int v = 0; v < num_vectors; v++) sums[g][v] = _mm512_setzero_ps();
+  const uint16_t *rows[CHUNK];
+  for (int64_t t0 = 0; t0 < seq_len; t0 += CHUNK) {
+    row_pointers_bf16(value_cache, blocks, t0, seq_len, row, block_size, head_dim, rows);
+    for (int j = 0; j < CHUNK && t0 + j < seq_len; j += 2) {
+      __m512bh pairs[MAX_HEAD_DIM / 16];
+      for (int c = 0; c < head_dim / 32; c++) {
+        const __m512i a = _mm512_loadu_si512(rows[j] + 32 * c), b = _mm512_loadu_si512(rows[j + 1] + 32 * c);
+        pairs[2 * c] = (__m512bh)_mm512_permutex2var_epi16(a, low, b);
+        pairs[2 * c + 1] = (__m512bh)_mm512_permutex2var_epi16(a, high, b);
+      }
+      for (int g = 0; g < group; g++) {
+        const float *p = probs + g * padded + t0;
+        const __m512bh w = (__m512bh)_mm512_set1_epi32((int)bf16_pair(p[j], t0 + j + 1 < seq_len ? p[j + 1] : 0.f));
+        for (int v = 0; v < num_vectors; v++) sums[g][v] = _mm512_dpbf16_ps(sums[g][v], pairs[v], w);
+      }
+    }
+  }
+  for (int g = 0; g < group; g++)
+    for (int v = 0; v < num_vectors; v++) _mm512_storeu_ps(acc + g * head_dim + 16 * v, sums[g][v]);
+  return 1;
+}
+#define KEY_SCORES_BF16_DOT key_scores_bf16_dot
+#define VALUE_SUMS_BF16_DOT value_sums_bf16_dot
+#else
+#define KEY_SCORES_BF16_DOT(...) 0
+#define VALUE_SUMS_BF16_DOT(...) 0
+#endif
+
+/* The generic passes: query heads and probabilities in float32 against rows widened to float32. */
+#define KEY_SCORES_NONE(...) 0
+#define VALUE_SUMS_NONE(...) 0
 
 /* One request, one KV head and its `group` query heads; `lanes` is head_dim / 8. */
-#define DEFINE_GROUP(NAME, T, ROWS)                                                              \
+#define DEFINE_GROUP(NAME, T, ROWS, FAST_KEY_SCORES, FAST_VALUE_SUMS)                            \
   static inline __attribute__((always_inline)) void NAME(                                        \
       const float *q, const T *key_cache, const T *value_cache, const int64_t *blocks,           \
       int64_t seq_len, int64_t row, int block_size, float scale, float *out, float *scratch,     \
@@ -140,7 +247,9 @@ DEFINE_ROWS(rows_bf16, uint16_t, load_bf16, 0)
     float inv_sum[MAX_GROUP];                                                                    \
     v8f max8[MAX_GROUP];                                                                         \
     for (int g = 0; g < group; g++) max8[g] = (v8f){0} - INFINITY;                               \
-    for (int64_t t0 = 0; t0 < seq_len; t0 += CHUNK) {                                            \
+    const int fast = FAST_KEY_SCORES(q, key_cache, blocks, seq_len, row, block_size, scale,      \
+                                     scratch, padded, group, head_dim, max8);                    \
+    for (int64_t t0 = 0; !fast && t0 < seq_len; t0 += CHUNK) {                                   \
       const int64_t n = seq_len - t0 < CHUNK ? seq_len - t0 : CHUNK;                             \
       ROWS(key_cache, blocks, t0, seq_len, row, block_size, buf, lanes, rows);                   \
       for (int g = 0; g < group; g++) {                                                          \
@@ -161,7 +270,9 @@ DEFINE_ROWS(rows_bf16, uint16_t, load_bf16, 0)
       inv_sum[g] = 1.f / softmax_numerators(scratch + g * padded, seq_len, hmax(max8[g]));       \
       memset(acc + g * head_dim, 0, sizeof(float) * head_dim);                                   \
     }                                                                                            \
-    for (int64_t t0 = 0; t0 < seq_len; t0 += CHUNK) {                                            \
+    const int fast_values = FAST_VALUE_SUMS(value_cache, blocks, seq_len, row, block_size,       \
+                                            scratch, padded, group, head_dim, acc);              \
+    for (int64_t t0 = 0; !fast_values && t0 < seq_len; t0 += CHUNK) {                            \
       const int64_t n = seq_len - t0 < CHUNK ? seq_len - t0 : CHUNK;                             \
       ROWS(value_cache, blocks, t0, seq_len, row, block_size, buf, lanes, rows);                 \
       for (int g = 0; g < group; g++) {                                                          \
@@ -178,8 +289,8 @@ DEFINE_ROWS(rows_bf16, uint16_t, load_bf16, 0)
         store_f32(out + g * head_dim + 8 * l, load_f32(acc + g * head_dim + 8 * l) * inv_sum[g]);   \
   }
 
-#define DEFINE_DECODE(NAME, T, ROWS)                                                             \
-  DEFINE_GROUP(NAME##_group, T, ROWS)                                                            \
+#define DEFINE_DECODE(NAME, T, ROWS, FAST_KEY_SCORES, FAST_VALUE_SUMS)                           \
+  DEFINE_GROUP(NAME##_group, T, ROWS, FAST_KEY_SCORES, FAST_VALUE_SUMS)                          \
                                                                                                  \
   int NAME(const float *query, const T *key_cache, const T *value_cache,                         \
            const int64_t *block_table, int64_t block_table_stride, const int64_t *seq_lens,      \
@@ -214,5 +325,5 @@ DEFINE_ROWS(rows_bf16, uint16_t, load_bf16, 0)
     return 0;                                                                                    \
   }
 
-DEFINE_DECODE(paged_decode_f32, float, rows_f32)
-DEFINE_DECODE(paged_decode_bf16, uint16_t, rows_bf16)
+DEFINE_DECODE(paged_decode_f32, float, rows_f32, KEY_SCORES_NONE, VALUE_SUMS_NONE)
+DEFINE_DECODE(paged_decode_bf16, uint16_t, rows_bf16, KEY_SCORES_BF16_DOT, VALUE_SUMS_BF16_DOT)
