@@ -8,21 +8,37 @@ from services.worker.attention.backend import CommonAttentionMetadata
 from services.worker.attention.cpu_backend import CpuAttentionBackend
 from services.worker.attention.cpu_decode import PagedDecodeKernel
 from services.worker.attention.torch_backend import TorchAttentionBackend
-from services.worker.cpu_kernels import load_cpu_kernels
+from services.worker.cpu_kernels import MARCH_FEATURES, _cpu_flags, load_cpu_kernels
 
 
-@pytest.fixture(scope="module")
-def decode_kernel(tmp_path_factory):
-    library = load_cpu_kernels(tmp_path_factory.mktemp("kernels"))
-    assert library is not None, "the CPU kernels must build here (gcc is on every CI machine)"
-    return PagedDecodeKernel(library)
+MARCHES = ["native", "x86-64-v3"]
+_kernels: dict[str, PagedDecodeKernel] = {}
 
 
-@pytest.fixture(params=["torch", "cpu"])
-def backend(request):
+def _kernel(march: str, tmp_path_factory) -> PagedDecodeKernel:
+    """The kernel built for this CPU (with AVX512_BF16, its bfloat16 path multiplies with VDPBF16PS)
+    or the portable build an image ships (generic vector code only)."""
+    if march != "native" and MARCH_FEATURES[march] - _cpu_flags():
+        pytest.skip(f"this CPU cannot run {march} code")
+    if march not in _kernels:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("SPINDLE_CPU_KERNEL_MARCH", march)
+            library = load_cpu_kernels(tmp_path_factory.mktemp("kernels"))
+        assert library is not None, "the CPU kernels must build here (gcc is on every CI machine)"
+        _kernels[march] = PagedDecodeKernel(library)
+    return _kernels[march]
+
+
+@pytest.fixture(params=MARCHES)
+def decode_kernel(tmp_path_factory, request):
+    return _kernel(request.param, tmp_path_factory)
+
+
+@pytest.fixture(params=["torch", *MARCHES])
+def backend(request, tmp_path_factory):
     if request.param == "torch":
         return TorchAttentionBackend()
-    return CpuAttentionBackend(request.getfixturevalue("decode_kernel"))
+    return CpuAttentionBackend(_kernel(request.param, tmp_path_factory))
 
 
 def _reference(q, k_all, v_all, context_len, scale):
