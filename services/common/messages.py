@@ -166,7 +166,8 @@ class CachedRequestData:
     resumed_from_preemption: list[bool] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
-    # Full token ids for resumed requests (empty list otherwise).
+    # Full token ids for resumed requests (empty list otherwise); the scheduler sends a list for the
+    # resumed requests only, which come first, and leaves the running ones' out.
     resumed_token_ids: list[list[int]] = field(default_factory=list)
 
     @property

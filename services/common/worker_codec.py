@@ -88,8 +88,9 @@ def scheduler_output_from_pb(msg: w_pb.SchedulerOutput) -> m.SchedulerOutput:
         new_block_ids = split_column(list(c.new_block_ids), list(c.num_new_block_ids))
     else:
         new_block_ids = [[] for _ in range(num_reqs)]
-    resumed_token_ids: list[list[int]] = [[] for _ in range(num_reqs)]
+    resumed_token_ids: list[list[int]] = []  # none resumed: no per-request lists at all
     if c.num_resumed_token_ids:
+        resumed_token_ids = [[] for _ in range(num_reqs)]
         tokens = iter(split_column(list(c.resumed_token_ids), list(c.num_resumed_token_ids)))
         for i in (i for i, r in enumerate(is_resumed) if r):
             resumed_token_ids[i] = next(tokens)

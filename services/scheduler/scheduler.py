@@ -106,6 +106,8 @@ class Scheduler:
         kv = self.kv_cache_manager
         # What each scheduled request gets, in parallel columns: running ones, then admitted ones.
         running_reqs: list[Request] = []
+        running_ids: list[str] = []
+        running_num_computed: list[int] = []
         running_num_new: list[int] = []
         running_block_ids: list[list[int]] = []
         preempted: list[Request] = []
@@ -137,7 +139,7 @@ class Scheduler:
                     running.remove(victim)
                     for j, scheduled in enumerate(running_reqs):
                         if scheduled is victim:
-                            del running_reqs[j], running_block_ids[j]
+                            del running_reqs[j], running_ids[j], running_num_computed[j], running_block_ids[j]
                             budget += running_num_new.pop(j)
                             break
                     self._preempt(victim)
@@ -147,6 +149,8 @@ class Scheduler:
                 if block_ids is None:
                     break  # the request preempted itself: nothing after it can fit either
             running_reqs.append(request)
+            running_ids.append(request.request_id)
+            running_num_computed.append(num_computed)
             running_num_new.append(num_new)
             running_block_ids.append(block_ids)
             budget -= num_new
@@ -184,8 +188,8 @@ class Scheduler:
             admitted_block_ids[request.request_id] = block_ids
             budget -= num_new
 
-        output = self._build_output(new_reqs, resumed_reqs, running_reqs, running_num_new, running_block_ids,
-                                    admitted_num_new, admitted_block_ids, preempted)
+        output = self._build_output(new_reqs, resumed_reqs, running_ids, running_num_computed, running_num_new,
+                                    running_block_ids, admitted_num_new, admitted_block_ids, preempted)
         for request, num_new in zip(running_reqs, running_num_new):
             request.num_computed_tokens += num_new
             if request.num_computed_tokens == len(request.all_token_ids) + request.num_output_placeholders:
@@ -288,20 +292,20 @@ class Scheduler:
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
 
-    def _build_output(self, new: list[Request], resumed: list[Request], running: list[Request],
-                      running_num_new: list[int], running_block_ids: list[list[int]],
-                      admitted_num_new: dict[str, int], admitted_block_ids: dict[str, list[int]],
-                      preempted: list[Request]) -> SchedulerOutput:
+    def _build_output(self, new: list[Request], resumed: list[Request], running_ids: list[str],
+                      running_num_computed: list[int], running_num_new: list[int],
+                      running_block_ids: list[list[int]], admitted_num_new: dict[str, int],
+                      admitted_block_ids: dict[str, list[int]], preempted: list[Request]) -> SchedulerOutput:
         """The step as a diff for the worker; `num_computed_tokens` are still those before the step."""
-        running_ids = [r.request_id for r in running]
         resumed_ids = [r.request_id for r in resumed]
         new_ids = [r.request_id for r in new]
         cached = CachedRequestData(
             req_ids=resumed_ids + running_ids,
-            resumed_from_preemption=[True] * len(resumed) + [False] * len(running),
+            resumed_from_preemption=[True] * len(resumed) + [False] * len(running_ids),
             new_block_ids=[admitted_block_ids[i] for i in resumed_ids] + running_block_ids,
-            num_computed_tokens=[r.num_computed_tokens for r in chain(resumed, running)],
-            resumed_token_ids=[list(r.all_token_ids) for r in resumed] + [[] for _ in running],
+            num_computed_tokens=[r.num_computed_tokens for r in resumed] + running_num_computed,
+            # Resumed requests come first, so their token lists line up; running ones need none.
+            resumed_token_ids=[list(r.all_token_ids) for r in resumed],
         )
         new_data = [
             NewRequestData(r.request_id, list(r.prompt_token_ids), r.sampling_params,

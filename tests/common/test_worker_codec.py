@@ -26,8 +26,7 @@ def test_scheduler_output_round_trip_keeps_batch_order_and_resumed_tokens():
 def test_decode_step_without_new_blocks_sends_no_per_request_counts_or_flags():
     so = m.SchedulerOutput(
         scheduled_cached_reqs=m.CachedRequestData(req_ids=["a", "b"], resumed_from_preemption=[False, False],
-                                                  new_block_ids=[[], []], num_computed_tokens=[3, 4],
-                                                  resumed_token_ids=[[], []]),
+                                                  new_block_ids=[[], []], num_computed_tokens=[3, 4]),
         num_scheduled_tokens={"a": 1, "b": 1}, total_num_scheduled_tokens=2)
     msg = worker_codec.scheduler_output_to_pb(so)
     cached = msg.scheduled_cached_reqs
@@ -40,8 +39,7 @@ def test_decode_step_without_new_blocks_sends_no_per_request_counts_or_flags():
 def test_counts_are_sent_when_any_request_gets_other_than_one_token():
     so = m.SchedulerOutput(
         scheduled_cached_reqs=m.CachedRequestData(req_ids=["a", "b"], resumed_from_preemption=[False, False],
-                                                  new_block_ids=[[], []], num_computed_tokens=[3, 4],
-                                                  resumed_token_ids=[[], []]),
+                                                  new_block_ids=[[], []], num_computed_tokens=[3, 4]),
         num_scheduled_tokens={"b": 5, "a": 1}, total_num_scheduled_tokens=6)  # not in batch order
     msg = worker_codec.scheduler_output_to_pb(so)
     assert list(msg.num_scheduled_tokens) == [1, 5]  # batch order: the cached requests' order
