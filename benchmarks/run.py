@@ -103,10 +103,12 @@ def make_servers(names: list[str], dtype: str, install: bool, bf16_max_concurren
         elif name == "spindle-fake":  # the harness's own check: no model, tokens at once
             servers.append(SpindleServer("spindle-fake", env={"SPINDLE_FAKE_MODEL": "true"}, note="fake model"))
         elif name == "spindle-bf16":
+            from services.worker.config import cpu_has_native_bf16
+
+            matmuls = ("native bfloat16 matmuls" if cpu_has_native_bf16()
+                       else "batches multiply on a float32 copy of the weights: no bfloat16 arithmetic on this CPU")
             server = SpindleServer("spindle-bf16", env={"SPINDLE_DTYPE": "bfloat16"},
-                                   note=f"bfloat16 weights and KV cache (on a CPU without bfloat16 arithmetic, "
-                                        f"batches multiply on a float32 copy of the weights); "
-                                        f"c<={bf16_max_concurrency} only")
+                                   note=f"bfloat16 weights and KV cache ({matmuls}); c<={bf16_max_concurrency} only")
             server.max_concurrency = bf16_max_concurrency
             servers.append(server)
         elif name in ("transformers-serve", "llama-cpp"):

@@ -41,15 +41,20 @@ def test_only_float32_cpu_weights_are_prepacked_unless_the_cpu_multiplies_bf16_n
     assert not can_prepack(torch.device("cuda"), torch.bfloat16, native_bf16=True)
 
 
-def test_prepacked_bf16_linear_and_lm_head_multiply_natively_at_every_batch_size():
-    torch.manual_seed(4)
+def _bf16_layer_and_head(seed: int) -> tuple[Linear, LMHead]:
+    torch.manual_seed(seed)
     layer = Linear(48, 700, bias=True)
     with torch.no_grad():
         layer.weight.normal_(), layer.bias.normal_()
     layer.to(torch.bfloat16)
-    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
     head = _head(900, 48)
     head.weight.data = head.weight.data.bfloat16()
+    return layer, head
+
+
+def test_prepacked_bf16_linear_and_lm_head_multiply_natively_at_every_batch_size():
+    layer, head = _bf16_layer_and_head(4)
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
     assert prepack_cpu_weights(nn.ModuleList([layer, head])) == 2
     assert layer.weight.numel() == 0 and layer.packed_weight.dtype == torch.bfloat16  # no float32 copy
     assert head.weight.shape == (900, 48)  # tied: the embedding still reads it
@@ -86,13 +91,7 @@ def test_bf16_lm_head_matches_float32_math():
 
 
 def test_float32_copies_of_bf16_weights_serve_batches_and_keep_the_16bit_weights():
-    torch.manual_seed(3)
-    layer = Linear(48, 700, bias=True)
-    with torch.no_grad():
-        layer.weight.normal_(), layer.bias.normal_()
-    layer.to(torch.bfloat16)
-    head = _head(900, 48)
-    head.weight.data = head.weight.data.bfloat16()
+    layer, head = _bf16_layer_and_head(3)
     assert add_float32_copies(nn.ModuleList([layer, head])) == 2
     assert layer.weight.dtype == torch.bfloat16 and layer.weight.shape == (700, 48)  # kept for 1-2 rows
     assert layer.packed_bias.dtype == torch.float32
