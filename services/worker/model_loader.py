@@ -92,7 +92,8 @@ def load_model(
     if can_prepack(torch.device(device), dtype, native_bf16=cpu_has_native_bf16()):
         num_packed = prepack_cpu_weights(net)
     num_copied = 0
-    if float32_copy and not num_packed and torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+    is_16bit_cpu = torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+    if float32_copy and is_16bit_cpu and not num_packed:  # natively packed weights need no copy
         num_copied = add_float32_copies(net)
     logger.info(
         "loaded %s (%s, %.0fM parameters, %s, %d matmul weights prepacked, %d with a float32 copy) in %.1f s",

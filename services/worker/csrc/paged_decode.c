@@ -17,7 +17,8 @@
  * together (`sum_lanes8`), a handful of shuffles for 8 scores where one horizontal sum per score
  * cost as much as the dot product itself. Work items are spread over the threads, so a single
  * request still uses every core. Vectors are GCC vector extensions of 8 floats: the compiler
- * picks AVX2, AVX-512 or NEON; nothing here names an instruction set.
+ * picks AVX2, AVX-512 or NEON. Only the bfloat16 passes for CPUs with AVX512_BF16 name
+ * instructions; every other build runs the generic passes.
  */
 #include <math.h>
 #include <stdint.h>
@@ -140,12 +141,11 @@ static inline __attribute__((always_inline)) void rows_bf16(
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+
 /* The key pass for a bfloat16 cache where the CPU has VDPBF16PS: the query heads rounded to
  * bfloat16 pairs once (exact for a bfloat16 model's queries), multiplied with the cached keys as
  * they lie, 32 products a call summed in float32, so the keys are never widened. */
-#include <immintrin.h>
-#define HAVE_BF16_DOT 1
-
 static inline int key_scores_bf16_dot(const float *q, const uint16_t *key_cache, const int64_t *blocks,
                                       int64_t seq_len, int64_t row, int block_size, float scale,
                                       float *scores, int64_t padded, int group, int head_dim, v8f *max8) {
@@ -177,6 +177,7 @@ static inline int key_scores_bf16_dot(const float *q, const uint16_t *key_cache,
   }
   return 1;
 }
+
 static inline uint32_t bf16_pair(float low, float high) {
   const __m128bh h = _mm_cvtneps_pbh(_mm_setr_ps(low, high, 0.f, 0.f));
   uint32_t pair;

@@ -54,10 +54,10 @@ class FusedOps:
         if not (cos.is_contiguous() and sin.is_contiguous() and kv_cache.is_contiguous()
                 and slot_mapping.is_contiguous() and slot_mapping.dtype == torch.int64):
             raise ValueError("rope_and_cache needs contiguous cos, sin, cache and an int64 slot mapping")
+        value_cache_ptr = kv_cache.data_ptr() + kv_cache.stride(0) * kv_cache.itemsize  # kv_cache[1], no view
         self._rope_cache[qkv.dtype](qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(),
-                                    kv_cache.data_ptr(), kv_cache.data_ptr() + kv_cache.stride(0) * kv_cache.itemsize,
-                                    qkv.shape[0], num_heads,
-                                    num_kv_heads, head_dim)
+                                    kv_cache.data_ptr(), value_cache_ptr, qkv.shape[0], num_heads, num_kv_heads,
+                                    head_dim)
 
 
 def _bind(library: ctypes.CDLL, name: str, argtypes: list) -> ctypes._CFuncPtr:
