@@ -151,12 +151,16 @@ def engine_core_output_from_pb(msg: ec_pb.EngineCoreOutput) -> m.EngineCoreOutpu
     )
 
 
-def engine_core_outputs_to_pb(o: m.EngineCoreOutputs) -> ec_pb.EngineCoreOutputs:
+def engine_core_outputs_to_pb(o: m.EngineCoreOutputs, last_plain_req_ids: list[str] | None = None
+                              ) -> ec_pb.EngineCoreOutputs:
+    """`last_plain_req_ids`: the plain request ids of the last message on the same stream that had any."""
     token_ids = o.plain_token_ids
+    as_last = bool(last_plain_req_ids) and o.plain_req_ids == last_plain_req_ids
     msg = ec_pb.EngineCoreOutputs(
         outputs=[engine_core_output_to_pb(x) for x in o.outputs],
         timestamp=o.timestamp,
-        request_ids=o.plain_req_ids,
+        request_ids=[] if as_last else o.plain_req_ids,
+        request_ids_as_last=as_last,
         num_new_token_ids=one_each_or_counts(token_ids),
         new_token_ids=list(chain.from_iterable(token_ids)),
     )
@@ -165,12 +169,20 @@ def engine_core_outputs_to_pb(o: m.EngineCoreOutputs) -> ec_pb.EngineCoreOutputs
     return msg
 
 
-def engine_core_outputs_from_pb(msg: ec_pb.EngineCoreOutputs) -> m.EngineCoreOutputs:
+def engine_core_outputs_from_pb(msg: ec_pb.EngineCoreOutputs, last_plain_req_ids: list[str] | None = None
+                                ) -> m.EngineCoreOutputs:
+    """`last_plain_req_ids`: the plain request ids of the last message on the same stream that had any."""
+    if msg.request_ids_as_last:
+        if not last_plain_req_ids:
+            raise ValueError("outputs refer to the last message's requests, but none came before them")
+        plain_req_ids = list(last_plain_req_ids)
+    else:
+        plain_req_ids = list(msg.request_ids)
     return m.EngineCoreOutputs(
         outputs=[engine_core_output_from_pb(x) for x in msg.outputs],
         scheduler_stats=scheduler_stats_from_pb(msg.scheduler_stats) if msg.HasField("scheduler_stats") else None,
         timestamp=msg.timestamp,
-        plain_req_ids=list(msg.request_ids),
+        plain_req_ids=plain_req_ids,
         plain_token_ids=split_one_each_or_counts(list(msg.new_token_ids), list(msg.num_new_token_ids)),
     )
 

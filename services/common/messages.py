@@ -165,6 +165,7 @@ class CachedRequestData:
     req_ids: list[str] = field(default_factory=list)
     resumed_from_preemption: list[bool] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)
+    # Empty when the requests are exactly the last step's (the worker's own counts stand).
     num_computed_tokens: list[int] = field(default_factory=list)
     # Full token ids for resumed requests (empty list otherwise); the scheduler sends a list for the
     # resumed requests only, which come first, and leaves the running ones' out.

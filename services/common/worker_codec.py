@@ -1,7 +1,10 @@
 """Converts the scheduler <-> worker protobuf messages (worker.proto) to the plain dataclasses of
 `messages` and back. Sampling params and logprobs are engine_core.proto types, converted by `codec`.
 
-SchedulerOutput and ModelRunnerOutput travel in columns, as `codec` explains.
+SchedulerOutput and ModelRunnerOutput travel in columns, as `codec` explains. In the steady decode
+step neither carries request ids: a step whose requests are the last step's, in the same order,
+says so with one flag (each end of the stream keeps the last step's order, `step_order`), and an
+output for exactly the step's scheduled requests says so with another.
 """
 from __future__ import annotations
 
@@ -27,11 +30,16 @@ def _counts(lists: list[list[int]]) -> list[int]:
     return counts if any(counts) else []
 
 
-def scheduler_output_to_pb(s: m.SchedulerOutput) -> w_pb.SchedulerOutput:
+def step_order(s: m.SchedulerOutput) -> list[str]:
+    """The step's batch order, as the scheduler built it: new requests, then cached ones."""
+    return [r.req_id for r in s.scheduled_new_reqs] + s.scheduled_cached_reqs.req_ids
+
+
+def scheduler_output_to_pb(s: m.SchedulerOutput, last_order: list[str] | None = None) -> w_pb.SchedulerOutput:
+    """`last_order`: the `step_order` of the step sent before this one on the same stream, if any."""
     c = s.scheduled_cached_reqs
     new_reqs = s.scheduled_new_reqs
-    # Batch order, as the scheduler built it: new requests, then cached ones.
-    order = [r.req_id for r in new_reqs] + c.req_ids
+    order = step_order(s)
     counts = s.num_scheduled_tokens
     # The dict's key order is the batch order whenever it holds every request (the scheduler's case).
     num_scheduled = list(counts.values()) if len(counts) == len(order) and list(counts) == order \
@@ -39,6 +47,7 @@ def scheduler_output_to_pb(s: m.SchedulerOutput) -> w_pb.SchedulerOutput:
     is_resumed = c.resumed_from_preemption
     any_resumed = any(is_resumed)
     resumed = [t for t, r in zip(c.resumed_token_ids, is_resumed) if r] if any_resumed else []
+    as_last_step = bool(last_order) and not new_reqs and not any_resumed and c.req_ids == last_order
     return w_pb.SchedulerOutput(
         scheduled_new_reqs=[
             w_pb.NewRequestData(
@@ -52,9 +61,10 @@ def scheduler_output_to_pb(s: m.SchedulerOutput) -> w_pb.SchedulerOutput:
             for r in new_reqs
         ],
         scheduled_cached_reqs=w_pb.CachedRequestData(
-            req_ids=c.req_ids,
+            req_ids=[] if as_last_step else c.req_ids,
+            req_ids_as_last_step=as_last_step,
             resumed_from_preemption=is_resumed if any_resumed else [],
-            num_computed_tokens=c.num_computed_tokens,
+            num_computed_tokens=[] if as_last_step else c.num_computed_tokens,
             new_block_ids=list(chain.from_iterable(c.new_block_ids)),
             num_new_block_ids=_counts(c.new_block_ids),
             resumed_token_ids=list(chain.from_iterable(resumed)),
@@ -68,7 +78,12 @@ def scheduler_output_to_pb(s: m.SchedulerOutput) -> w_pb.SchedulerOutput:
     )
 
 
-def scheduler_output_from_pb(msg: w_pb.SchedulerOutput) -> m.SchedulerOutput:
+def scheduler_output_from_pb(msg: w_pb.SchedulerOutput, last_order: list[str] | None = None) -> m.SchedulerOutput:
+    """`last_order`: the `step_order` of the step received before this one on the same stream.
+
+    A step sent as "the last step's requests" decodes with empty `num_computed_tokens`: the worker's
+    own counts stand.
+    """
     c = msg.scheduled_cached_reqs
     new_reqs = [
         m.NewRequestData(
@@ -81,7 +96,12 @@ def scheduler_output_from_pb(msg: w_pb.SchedulerOutput) -> m.SchedulerOutput:
         )
         for r in msg.scheduled_new_reqs
     ]
-    req_ids = list(c.req_ids)
+    if c.req_ids_as_last_step:
+        if last_order is None:
+            raise ValueError("a step refers to the last step's requests, but none came before it")
+        req_ids = list(last_order)
+    else:
+        req_ids = list(c.req_ids)
     num_reqs = len(req_ids)
     is_resumed = list(c.resumed_from_preemption) or [False] * num_reqs
     if c.num_new_block_ids:
@@ -114,10 +134,14 @@ def scheduler_output_from_pb(msg: w_pb.SchedulerOutput) -> m.SchedulerOutput:
     )
 
 
-def model_runner_output_to_pb(o: m.ModelRunnerOutput) -> w_pb.ModelRunnerOutput:
+def model_runner_output_to_pb(o: m.ModelRunnerOutput, scheduled: list[str] | None = None
+                              ) -> w_pb.ModelRunnerOutput:
+    """`scheduled`: the step's scheduled request ids in batch order (`num_scheduled_tokens`' keys)."""
     sampled = o.sampled_token_ids
+    as_scheduled = scheduled is not None and o.req_ids == scheduled
     msg = w_pb.ModelRunnerOutput(
-        req_ids=o.req_ids,
+        req_ids=[] if as_scheduled else o.req_ids,
+        req_ids_as_scheduled=as_scheduled,
         sampled_token_ids=list(chain.from_iterable(sampled)),
         num_sampled_token_ids=one_each_or_counts(sampled),
         prepare_ns=o.prepare_ns,
@@ -133,8 +157,15 @@ def model_runner_output_to_pb(o: m.ModelRunnerOutput) -> w_pb.ModelRunnerOutput:
     return msg
 
 
-def model_runner_output_from_pb(msg: w_pb.ModelRunnerOutput) -> m.ModelRunnerOutput:
-    req_ids = list(msg.req_ids)
+def model_runner_output_from_pb(msg: w_pb.ModelRunnerOutput, scheduled: list[str] | None = None
+                                ) -> m.ModelRunnerOutput:
+    """`scheduled`: the step's scheduled request ids in batch order, as sent to the worker."""
+    if msg.req_ids_as_scheduled:
+        if scheduled is None:
+            raise ValueError("an output refers to its step's requests, but the step is not known")
+        req_ids = list(scheduled)
+    else:
+        req_ids = list(msg.req_ids)
     sampled = split_one_each_or_counts(list(msg.sampled_token_ids), list(msg.num_sampled_token_ids))
     logprobs: list[m.TokenLogprobs | None] = [None] * len(req_ids)
     for i, lp in zip(msg.logprobs_req_indices, msg.logprobs):
@@ -156,3 +187,31 @@ def kv_cache_spec_to_pb(spec: m.KVCacheSpec) -> w_pb.DescribeKVCacheResponse:
 
 def kv_cache_spec_from_pb(msg: w_pb.DescribeKVCacheResponse) -> m.KVCacheSpec:
     return flat_from_pb(m.KVCacheSpec, msg)
+
+
+class StepEncoder:
+    """The scheduler's end of one step stream: each step is encoded against the one sent before it."""
+
+    def __init__(self) -> None:
+        self.last_order: list[str] | None = None
+
+    def encode(self, s: m.SchedulerOutput) -> w_pb.SchedulerOutput:
+        msg = scheduler_output_to_pb(s, self.last_order)
+        self.last_order = step_order(s)
+        return msg
+
+
+class StepDecoder:
+    """The worker's end of one step stream: each step is decoded against the one received before it."""
+
+    def __init__(self) -> None:
+        self.last_order: list[str] | None = None
+
+    def decode(self, msg: w_pb.SchedulerOutput) -> m.SchedulerOutput:
+        try:
+            s = scheduler_output_from_pb(msg, self.last_order)
+        except Exception:
+            self.last_order = None  # a later step sent against the lost one fails loudly, never misapplies
+            raise
+        self.last_order = step_order(s)
+        return s

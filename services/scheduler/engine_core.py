@@ -162,7 +162,7 @@ class EngineCore:
                 continue
             step = in_flight.popleft()
             try:
-                runner_output = await self.worker.receive()
+                runner_output = await self.worker.receive(step)
             except WorkerStepError as exc:
                 logger.error("step %d failed on the worker: %s", step.step_id, exc)
                 failed = scheduler.abort_requests(list(step.num_scheduled_tokens))

@@ -120,9 +120,12 @@ class Scheduler:
         while i < len(running) and budget > 0:
             request = running[i]
             num_computed = request.num_computed_tokens
-            num_tokens = len(request.all_token_ids) + request.num_output_placeholders
-            num_new = min(num_tokens - num_computed, budget)
-            if num_new <= 0 or (request.num_output_placeholders and num_tokens >= request.max_num_tokens):
+            num_placeholders = request.num_output_placeholders
+            num_tokens = len(request.all_token_ids) + num_placeholders
+            num_new = num_tokens - num_computed
+            if num_new > budget:
+                num_new = budget
+            if num_new <= 0 or (num_placeholders and num_tokens >= request.max_num_tokens):
                 i += 1  # caught up, or the step in flight samples its last token
                 continue
             held = req_to_blocks.get(request.request_id)
@@ -155,6 +158,11 @@ class Scheduler:
             running_block_ids.append(block_ids)
             budget -= num_new
             i += 1
+            # Counted as computed now, so the next step can be scheduled before this one's output is
+            # back (a preempted request is reset by `_preempt`).
+            request.num_computed_tokens = num_computed + num_new
+            if num_new == num_tokens - num_computed:
+                request.num_output_placeholders = num_placeholders + 1  # this step samples a token
 
         # Then waiting requests, only if nobody was preempted this step.
         new_reqs: list[Request] = []
@@ -190,10 +198,6 @@ class Scheduler:
 
         output = self._build_output(new_reqs, resumed_reqs, running_ids, running_num_computed, running_num_new,
                                     running_block_ids, admitted_num_new, admitted_block_ids, preempted)
-        for request, num_new in zip(running_reqs, running_num_new):
-            request.num_computed_tokens += num_new
-            if request.num_computed_tokens == len(request.all_token_ids) + request.num_output_placeholders:
-                request.num_output_placeholders += 1  # this step samples a token
         for request in chain(new_reqs, resumed_reqs):
             request.num_computed_tokens += admitted_num_new[request.request_id]
             if request.num_computed_tokens == len(request.all_token_ids):
@@ -229,21 +233,26 @@ class Scheduler:
                     request.num_computed_tokens // block_size > num_cached_blocks.get(req_id, 0):
                 kv.cache_blocks(request, request.num_computed_tokens)
             new_token_ids = token_ids
-            if token_ids:
+            if len(token_ids) == 1:  # the usual decode step
+                request.num_output_placeholders -= 1
+                all_token_ids = request.all_token_ids
+                all_token_ids.append(token_ids[0])
+                # Only a stop token or a length limit can end a request; the full check runs only then.
+                if token_ids[0] in request.stop_check_token_ids or len(all_token_ids) >= request.max_num_tokens:
+                    self._finish_if_stopped(request)
+                elif lp is None and not request.events:
+                    plain_req_ids.append(req_id)
+                    plain_token_ids.append(token_ids)
+                    continue
+            elif token_ids:
                 request.num_output_placeholders -= 1
                 all_token_ids = request.all_token_ids
                 stop_check_token_ids = request.stop_check_token_ids
                 for i, token_id in enumerate(token_ids):
                     all_token_ids.append(token_id)
-                    # Only a stop token or a length limit can end a request; the full check runs only then.
-                    if token_id not in stop_check_token_ids and len(all_token_ids) < request.max_num_tokens:
-                        continue
-                    reason, stop_token = check_stop(request, self.max_model_len)
-                    if reason != FinishReason.NONE:
+                    if (token_id in stop_check_token_ids or len(all_token_ids) >= request.max_num_tokens) \
+                            and self._finish_if_stopped(request):
                         new_token_ids = token_ids[: i + 1]
-                        request.stop_reason = stop_token
-                        self.running.remove(request)
-                        self._finish(request, reason)
                         break
             if request.events or request.status == finished or (lp is not None and new_token_ids):
                 outputs.append(EngineCoreOutput(
@@ -284,6 +293,16 @@ class Scheduler:
         request.record_event(RequestEventType.PREEMPTED)
         self.num_preemptions += 1
         self.waiting.add_preempted(request)
+
+    def _finish_if_stopped(self, request: Request) -> bool:
+        """Runs the full stop check after the request's last token; finishes it if that ended it."""
+        reason, stop_token = check_stop(request, self.max_model_len)
+        if reason == FinishReason.NONE:
+            return False
+        request.stop_reason = stop_token
+        self.running.remove(request)
+        self._finish(request, reason)
+        return True
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         request.status = RequestStatus.FINISHED

@@ -27,12 +27,17 @@ class EngineCoreServicer(engine_core_pb2_grpc.EngineCoreServiceServicer):
         # The frontend closing its side ends the reader, which wakes the loop below with None: one
         # queue wait per step, no task or wait set built per step.
         reader.add_done_callback(lambda _: queue.put_nowait(None))
+        # Plain outputs name their requests only when the set or order changed since the last ones.
+        last_plain_req_ids: list[str] | None = None
         try:
             while True:
                 outputs = await queue.get()
                 if outputs is None:
                     break  # the frontend closed its side
-                yield engine_core_pb2.ConnectResponse(outputs=codec.engine_core_outputs_to_pb(outputs))
+                msg = codec.engine_core_outputs_to_pb(outputs, last_plain_req_ids)
+                if outputs.plain_req_ids:
+                    last_plain_req_ids = outputs.plain_req_ids
+                yield engine_core_pb2.ConnectResponse(outputs=msg)
         finally:
             reader.cancel()
             self.engine.unregister_client(client_id)

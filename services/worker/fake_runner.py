@@ -91,6 +91,8 @@ class FakeModelRunner:
             self.requests[new.req_id] = _FakeRequestState(
                 len(new.prompt_token_ids), new.num_computed_tokens, new.sampling_params.logprobs is not None)
         cached = so.scheduled_cached_reqs
+        if not cached.num_computed_tokens:
+            return  # the last step's requests again: this worker's counts stand
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests.get(req_id)
             if state is None:

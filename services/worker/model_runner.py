@@ -4,7 +4,8 @@ flat inputs, runs the model and samples.
 Per step (`execute_model`):
 1. drop finished requests, take preempted ones out of the batch (their state is kept for a resume);
 2. add new requests; for cached ones append new blocks and take the scheduler's num_computed_tokens
-   (a resumed request replaces its block table and, if sent, its tokens);
+   when sent (a steady decode step leaves them out: the runner's own counts stand; a resumed
+   request replaces its block table and, if sent, its tokens);
 3. for the requests in `num_scheduled_tokens` order, build input ids, positions, slot mapping,
    query start locations, sequence lengths and block tables;
 4. forward; logits only for the last scheduled token of requests whose computed tokens reach the
@@ -134,8 +135,17 @@ class ModelRunner:
             )
             self.requests[new.req_id] = state
             batch.add_request(state)
-        for i in range(so.scheduled_cached_reqs.num_reqs):
-            self._update_cached_request(so.scheduled_cached_reqs, i)
+        cached = so.scheduled_cached_reqs
+        if cached.num_computed_tokens:
+            for i in range(cached.num_reqs):
+                self._update_cached_request(cached, i)
+        else:  # the last step's requests again (a steady decode step): only new blocks to append
+            for req_id, new_block_ids in zip(cached.req_ids, cached.new_block_ids):
+                if new_block_ids:
+                    row = batch.req_id_to_index.get(req_id)
+                    if row is None:
+                        raise ValueError(f"scheduler sent cached request {req_id!r} that this worker does not hold")
+                    batch.append_block_ids(row, new_block_ids)
         batch.condense()
 
     def _update_cached_request(self, cached: CachedRequestData, i: int) -> None:

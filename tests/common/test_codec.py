@@ -1,6 +1,8 @@
 """EngineCoreOutputs travel in columns: every shape must come back as it went."""
 from __future__ import annotations
 
+import pytest
+
 from services.common import codec
 from services.common import messages as m
 from services.common.pb import engine_core_pb2
@@ -30,3 +32,24 @@ def test_engine_core_outputs_plain_in_columns_the_rest_in_full():
         assert back == eco
         assert [o.request_id for o in back.all_outputs()] == ["c", "d", "e", "f", "g", "a", "b"]
     assert back.scheduler_stats == eco.scheduler_stats and back.timestamp == 12.5
+
+
+def test_plain_outputs_for_the_last_messages_requests_send_no_ids():
+    steps = [m.EngineCoreOutputs(plain_req_ids=["a", "b"], plain_token_ids=[[1], [2]]),
+             m.EngineCoreOutputs(plain_req_ids=["a", "b"], plain_token_ids=[[3], [4]]),   # same: ids left out
+             m.EngineCoreOutputs([m.EngineCoreOutput("a", [], finish_reason=m.FinishReason.ABORT)]),  # no plain
+             m.EngineCoreOutputs(plain_req_ids=["a", "b"], plain_token_ids=[[5], [6]]),   # still as the last plain
+             m.EngineCoreOutputs(plain_req_ids=["b"], plain_token_ids=[[7]])]             # changed: ids sent
+    sent_last = received_last = None
+    flags = []
+    for eco in steps:
+        msg = _wire(codec.engine_core_outputs_to_pb(eco, sent_last))
+        sent_last = eco.plain_req_ids or sent_last
+        flags.append(msg.request_ids_as_last)
+        assert not (msg.request_ids_as_last and msg.request_ids)
+        back = codec.engine_core_outputs_from_pb(msg, received_last)
+        received_last = back.plain_req_ids or received_last
+        assert back == eco
+    assert flags == [False, True, False, True, False]
+    with pytest.raises(ValueError, match="last message"):
+        codec.engine_core_outputs_from_pb(codec.engine_core_outputs_to_pb(steps[1], ["a", "b"]))

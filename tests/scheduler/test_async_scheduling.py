@@ -123,9 +123,11 @@ class InProcessWorker:
         self.outputs.append(self.runner.execute_model(scheduler_output))
         self.max_in_flight = max(self.max_in_flight, len(self.outputs))
 
-    async def receive(self):
+    async def receive(self, step):
         await asyncio.sleep(0)  # the output comes back later, as over gRPC
-        return self.outputs.popleft()
+        output = self.outputs.popleft()
+        assert output.step_id == step.step_id  # outputs come back in the order the steps went out
+        return output
 
     def is_stream_open(self) -> bool:
         return True

@@ -90,17 +90,26 @@ def test_execute_model_stream(stub, tiny_llama_dir):
                         num_scheduled_tokens={"ghost": 1}, total_num_scheduled_tokens=1, step_id=2),
         SchedulerOutput(scheduled_cached_reqs=CachedRequestData(["a"], [False], [[9]], [7], [[]]),
                         num_scheduled_tokens={"a": 1}, total_num_scheduled_tokens=1, step_id=3),
+        # the last step's requests again: sent without ids or counts, the worker's own count stands
+        SchedulerOutput(scheduled_cached_reqs=CachedRequestData(["a"], [False], [[]], [8], [[]]),
+                        num_scheduled_tokens={"a": 1}, total_num_scheduled_tokens=1, step_id=4),
     ]
-    requests = (worker_pb2.ExecuteModelRequest(scheduler_output=worker_codec.scheduler_output_to_pb(s)) for s in steps)
+    encoder = worker_codec.StepEncoder()
+    messages = [encoder.encode(s) for s in steps]
+    assert messages[3].scheduled_cached_reqs.req_ids_as_last_step
+    assert not messages[3].scheduled_cached_reqs.req_ids and not messages[3].scheduled_cached_reqs.num_computed_tokens
+    requests = (worker_pb2.ExecuteModelRequest(scheduler_output=m) for m in messages)
     responses = list(stub.ExecuteModel(requests, timeout=60))
-    assert len(responses) == 3
-    first, failed, third = responses
+    assert len(responses) == 4
+    first, failed, third, fourth = responses
     assert not first.error_message and failed.error_message and "ghost" in failed.error_message
+    assert not third.error_message and not fourth.error_message, fourth.error_message
     assert failed.model_runner_output.step_id == 2
-    out1 = worker_codec.model_runner_output_from_pb(first.model_runner_output)
-    out3 = worker_codec.model_runner_output_from_pb(third.model_runner_output)
+    assert first.model_runner_output.req_ids_as_scheduled and not first.model_runner_output.req_ids
+    out1, out3, out4 = (worker_codec.model_runner_output_from_pb(r.model_runner_output, ["a"])
+                        for r in (first, third, fourth))
     assert out1.req_ids == ["a"] and out1.step_id == 1
-    assert [out1.sampled_token_ids[0][0], out3.sampled_token_ids[0][0]] == expected[:2]
+    assert [out1.sampled_token_ids[0][0], out3.sampled_token_ids[0][0], out4.sampled_token_ids[0][0]] == expected
     assert out1.logprobs[0].rank == 1 and len(out1.logprobs[0].top_logprobs) == 2
 
 
