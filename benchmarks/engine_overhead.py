@@ -168,7 +168,9 @@ async def measure_served(base_url: str, model: str, pids: dict[str, int], num_ru
 def fake_cluster_env(max_num_running: int) -> dict[str, str]:
     return {
         "SPINDLE_FAKE_MODEL": "true",
-        "SPINDLE_KV_CACHE_BYTES": "64GiB",  # only reported: the fake worker allocates nothing
+        # Only reported: the fake worker allocates nothing. Enough that 1,024 requests grow ~5k tokens each
+        # before the cache runs out and preemption would spoil the measurement.
+        "SPINDLE_KV_CACHE_BYTES": "256GiB",
         "SPINDLE_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
         "SPINDLE_MAX_NUM_SEQS": str(max(256, max_num_running)),
         "SPINDLE_MAX_NUM_BATCHED_TOKENS": str(max(2048, max_num_running)),
