@@ -172,12 +172,8 @@ def engine_core_outputs_to_pb(o: m.EngineCoreOutputs, last_plain_req_ids: list[s
 def engine_core_outputs_from_pb(msg: ec_pb.EngineCoreOutputs, last_plain_req_ids: list[str] | None = None
                                 ) -> m.EngineCoreOutputs:
     """`last_plain_req_ids`: the plain request ids of the last message on the same stream that had any."""
-    if msg.request_ids_as_last:
-        if not last_plain_req_ids:
-            raise ValueError("outputs refer to the last message's requests, but none came before them")
-        plain_req_ids = list(last_plain_req_ids)
-    else:
-        plain_req_ids = list(msg.request_ids)
+    plain_req_ids = ids_or_referred(msg.request_ids, msg.request_ids_as_last, last_plain_req_ids,
+                                    "the last message's requests")
     return m.EngineCoreOutputs(
         outputs=[engine_core_output_from_pb(x) for x in msg.outputs],
         scheduler_stats=scheduler_stats_from_pb(msg.scheduler_stats) if msg.HasField("scheduler_stats") else None,
@@ -185,6 +181,15 @@ def engine_core_outputs_from_pb(msg: ec_pb.EngineCoreOutputs, last_plain_req_ids
         plain_req_ids=plain_req_ids,
         plain_token_ids=split_one_each_or_counts(list(msg.new_token_ids), list(msg.num_new_token_ids)),
     )
+
+
+def ids_or_referred(ids, refers: bool, referred: list[str] | None, what: str) -> list[str]:
+    """A message's request ids, or a copy of the ids it refers to (sent before, so left out)."""
+    if not refers:
+        return list(ids)
+    if not referred:
+        raise ValueError(f"a message refers to {what}, which this end of the stream does not have")
+    return list(referred)
 
 
 def one_each_or_counts(lists: list[list[int]]) -> list[int]:

@@ -13,6 +13,7 @@ from itertools import chain
 from services.common import messages as m
 from services.common.codec import (
     flat_from_pb,
+    ids_or_referred,
     sampling_params_from_pb,
     sampling_params_to_pb,
     one_each_or_counts,
@@ -96,12 +97,7 @@ def scheduler_output_from_pb(msg: w_pb.SchedulerOutput, last_order: list[str] | 
         )
         for r in msg.scheduled_new_reqs
     ]
-    if c.req_ids_as_last_step:
-        if last_order is None:
-            raise ValueError("a step refers to the last step's requests, but none came before it")
-        req_ids = list(last_order)
-    else:
-        req_ids = list(c.req_ids)
+    req_ids = ids_or_referred(c.req_ids, c.req_ids_as_last_step, last_order, "the last step's requests")
     num_reqs = len(req_ids)
     is_resumed = list(c.resumed_from_preemption) or [False] * num_reqs
     if c.num_new_block_ids:
@@ -138,7 +134,7 @@ def model_runner_output_to_pb(o: m.ModelRunnerOutput, scheduled: list[str] | Non
                               ) -> w_pb.ModelRunnerOutput:
     """`scheduled`: the step's scheduled request ids in batch order (`num_scheduled_tokens`' keys)."""
     sampled = o.sampled_token_ids
-    as_scheduled = scheduled is not None and o.req_ids == scheduled
+    as_scheduled = bool(scheduled) and o.req_ids == scheduled
     msg = w_pb.ModelRunnerOutput(
         req_ids=[] if as_scheduled else o.req_ids,
         req_ids_as_scheduled=as_scheduled,
@@ -160,12 +156,7 @@ def model_runner_output_to_pb(o: m.ModelRunnerOutput, scheduled: list[str] | Non
 def model_runner_output_from_pb(msg: w_pb.ModelRunnerOutput, scheduled: list[str] | None = None
                                 ) -> m.ModelRunnerOutput:
     """`scheduled`: the step's scheduled request ids in batch order, as sent to the worker."""
-    if msg.req_ids_as_scheduled:
-        if scheduled is None:
-            raise ValueError("an output refers to its step's requests, but the step is not known")
-        req_ids = list(scheduled)
-    else:
-        req_ids = list(msg.req_ids)
+    req_ids = ids_or_referred(msg.req_ids, msg.req_ids_as_scheduled, scheduled, "its step's requests")
     sampled = split_one_each_or_counts(list(msg.sampled_token_ids), list(msg.num_sampled_token_ids))
     logprobs: list[m.TokenLogprobs | None] = [None] * len(req_ids)
     for i, lp in zip(msg.logprobs_req_indices, msg.logprobs):

@@ -115,6 +115,8 @@ def test_model_runner_output_for_the_scheduled_requests_sends_no_ids():
     msg = _wire(worker_codec.model_runner_output_to_pb(partial, ["a", "b"]))
     assert not msg.req_ids_as_scheduled and list(msg.req_ids) == ["b"]
     assert worker_codec.model_runner_output_from_pb(msg, ["a", "b"]) == partial
+    empty = m.ModelRunnerOutput(step_id=8)  # a step that only carried finished ids
+    assert worker_codec.model_runner_output_from_pb(_wire(worker_codec.model_runner_output_to_pb(empty, [])), []) == empty
 
 
 def test_a_step_that_fails_to_decode_leaves_nothing_for_the_next_to_refer_to(monkeypatch):
