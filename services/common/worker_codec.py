@@ -202,7 +202,12 @@ class StepDecoder:
         try:
             s = scheduler_output_from_pb(msg, self.last_order)
         except Exception:
-            self.last_order = None  # a later step sent against the lost one fails loudly, never misapplies
+            self.forget()
             raise
         self.last_order = step_order(s)
         return s
+
+    def forget(self) -> None:
+        """After a step that failed: a later step sent against it is refused rather than run on this
+        end's counts, which the failed step may have left behind the scheduler's."""
+        self.last_order = None

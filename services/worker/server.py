@@ -81,6 +81,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 output, list(scheduler_output.num_scheduled_tokens)))
         except Exception as exc:  # noqa: BLE001 - any failure is reported to the scheduler, not raised
             logger.exception("step %d failed", step_id)
+            decoder.forget()
             self.metrics.on_step_failed()
             return worker_pb2.ExecuteModelResponse(
                 model_runner_output=worker_pb2.ModelRunnerOutput(step_id=step_id),

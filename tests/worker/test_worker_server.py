@@ -113,6 +113,37 @@ def test_execute_model_stream(stub, tiny_llama_dir):
     assert out1.logprobs[0].rank == 1 and len(out1.logprobs[0].top_logprobs) == 2
 
 
+def test_a_step_sent_against_a_failed_step_is_refused_not_run(stub, server, monkeypatch):
+    stub, _ = stub
+    stub.InitializeKVCache(worker_pb2.InitializeKVCacheRequest(num_blocks=64))
+    execute = server.worker.execute_model
+
+    def fail_step_2(so):
+        if so.step_id == 2:
+            raise RuntimeError("injected failure")
+        return execute(so)
+
+    monkeypatch.setattr(server.worker, "execute_model", fail_step_2)
+    greedy = SamplingParams(temperature=0.0)
+    decode = lambda step_id, num_computed: SchedulerOutput(  # noqa: E731
+        scheduled_cached_reqs=CachedRequestData(["a"], [False], [[]], [num_computed], [[]]),
+        num_scheduled_tokens={"a": 1}, total_num_scheduled_tokens=1, step_id=step_id)
+    encoder = worker_codec.StepEncoder()
+    messages = [encoder.encode(SchedulerOutput(scheduled_new_reqs=[NewRequestData("a", [5, 6, 7], greedy, [3], 0)],
+                                               num_scheduled_tokens={"a": 3}, total_num_scheduled_tokens=3, step_id=1)),
+                encoder.encode(decode(2, 3)),  # fails on the worker
+                encoder.encode(decode(3, 4))]  # already on its way, sent against step 2
+    encoder = worker_codec.StepEncoder()  # what the scheduler does on a failed step: the next goes in full
+    messages.append(encoder.encode(decode(4, 3)))  # in full: its count sets the worker's again
+    assert [m.scheduled_cached_reqs.req_ids_as_last_step for m in messages] == [False, True, True, False]
+    responses = list(stub.ExecuteModel((worker_pb2.ExecuteModelRequest(scheduler_output=m) for m in messages),
+                                       timeout=60))
+    assert [bool(r.error_message) for r in responses] == [False, True, True, False]
+    assert "injected failure" in responses[1].error_message and "last step" in responses[2].error_message
+    out = worker_codec.model_runner_output_from_pb(responses[3].model_runner_output, ["a"])
+    assert out.req_ids == ["a"] and len(out.sampled_token_ids[0]) == 1
+
+
 def test_worker_process_starts_serves_and_stops_on_sigterm(tiny_llama_dir, tmp_path):
     env = dict(os.environ, SPINDLE_WORKER_ADDR="127.0.0.1:0", SPINDLE_KV_CACHE_BYTES="1MiB",
                SPINDLE_BLOCK_SIZE="4", SPINDLE_NUM_THREADS="1")
