@@ -15,12 +15,10 @@ from __future__ import annotations
 from itertools import chain, repeat
 
 from services.common.messages import (
-    CachedRequestData,
     EngineCoreOutput,
     EngineCoreOutputs,
     FinishReason,
     ModelRunnerOutput,
-    NewRequestData,
     RequestEventType,
     SchedulerOutput,
     SchedulerStats,
@@ -29,6 +27,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.request_queue import create_request_queue
+from services.scheduler.step_output import build_scheduler_output
 from services.scheduler.stop_checker import check_stop
 
 
@@ -196,8 +195,9 @@ class Scheduler:
             admitted_block_ids[request.request_id] = block_ids
             budget -= num_new
 
-        output = self._build_output(new_reqs, resumed_reqs, running_ids, running_num_computed, running_num_new,
-                                    running_block_ids, admitted_num_new, admitted_block_ids, preempted)
+        output = build_scheduler_output(new_reqs, resumed_reqs, running_ids, running_num_computed, running_num_new,
+                                        running_block_ids, admitted_num_new, admitted_block_ids, preempted,
+                                        self.finished_req_ids, self.num_steps)
         for request in chain(new_reqs, resumed_reqs):
             request.num_computed_tokens += admitted_num_new[request.request_id]
             if request.num_computed_tokens == len(request.all_token_ids):
@@ -310,37 +310,3 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
-
-    def _build_output(self, new: list[Request], resumed: list[Request], running_ids: list[str],
-                      running_num_computed: list[int], running_num_new: list[int],
-                      running_block_ids: list[list[int]], admitted_num_new: dict[str, int],
-                      admitted_block_ids: dict[str, list[int]], preempted: list[Request]) -> SchedulerOutput:
-        """The step as a diff for the worker; `num_computed_tokens` are still those before the step."""
-        resumed_ids = [r.request_id for r in resumed]
-        new_ids = [r.request_id for r in new]
-        cached = CachedRequestData(
-            req_ids=resumed_ids + running_ids,
-            resumed_from_preemption=[True] * len(resumed) + [False] * len(running_ids),
-            new_block_ids=[admitted_block_ids[i] for i in resumed_ids] + running_block_ids,
-            num_computed_tokens=[r.num_computed_tokens for r in resumed] + running_num_computed,
-            # Resumed requests come first, so their token lists line up; running ones need none.
-            resumed_token_ids=[list(r.all_token_ids) for r in resumed],
-        )
-        new_data = [
-            NewRequestData(r.request_id, list(r.prompt_token_ids), r.sampling_params,
-                           admitted_block_ids[r.request_id], r.num_computed_tokens, r.traceparent)
-            for r in new
-        ]
-        # Batch order: new requests, then cached ones (the codec restores this order on decode).
-        num_scheduled_tokens = dict(zip(running_ids, running_num_new))
-        if admitted_num_new:
-            num_scheduled_tokens = {**{i: admitted_num_new[i] for i in new_ids + resumed_ids}, **num_scheduled_tokens}
-        return SchedulerOutput(
-            scheduled_new_reqs=new_data,
-            scheduled_cached_reqs=cached,
-            num_scheduled_tokens=num_scheduled_tokens,
-            total_num_scheduled_tokens=sum(running_num_new) + sum(admitted_num_new.values()),
-            finished_req_ids=set(self.finished_req_ids),
-            preempted_req_ids={r.request_id for r in preempted if r.status == RequestStatus.PREEMPTED},
-            step_id=self.num_steps,
-        )
