@@ -65,7 +65,7 @@ def in_process_step_costs(num_running: int, num_steps: int = 30) -> dict:
         "schedule", "encode_scheduler_output", "decode_scheduler_output", "fake_model", "encode_runner_output",
         "decode_runner_output", "update_from_output", "encode_engine_outputs", "decode_engine_outputs")}
     encoder, decoder = worker_codec.StepEncoder(), worker_codec.StepDecoder()
-    last_sent = last_received = None  # the frontend stream's last plain request ids, at each end
+    outputs_encoder, outputs_decoder = codec.OutputsEncoder(), codec.OutputsDecoder()
     for step in range(num_steps + 3):
         so, t_sched = _timed(scheduler.schedule)
         so_bytes, t_enc_so = _timed(lambda: encoder.encode(so).SerializeToString())
@@ -77,10 +77,8 @@ def in_process_step_costs(num_running: int, num_steps: int = 30) -> dict:
             worker_pb2.ModelRunnerOutput.FromString(ro_bytes), list(so.num_scheduled_tokens)))
         eco, t_update = _timed(scheduler.update_from_output, so, ro_sched)
         eco.scheduler_stats, eco.timestamp = scheduler.get_stats(), time.time()
-        eco_bytes, t_enc_eco = _timed(lambda: codec.engine_core_outputs_to_pb(eco, last_sent).SerializeToString())
-        eco_back, t_dec_eco = _timed(lambda: codec.engine_core_outputs_from_pb(
-            engine_core_pb2.EngineCoreOutputs.FromString(eco_bytes), last_received))
-        last_sent, last_received = eco.plain_req_ids or last_sent, eco_back.plain_req_ids or last_received
+        eco_bytes, t_enc_eco = _timed(lambda: outputs_encoder.encode(eco).SerializeToString())
+        _, t_dec_eco = _timed(lambda: outputs_decoder.decode(engine_core_pb2.EngineCoreOutputs.FromString(eco_bytes)))
         if step < 3:  # the first steps admit and prefill; measure steady decode
             continue
         for key, ns in zip(parts, (t_sched, t_enc_so, t_dec_so, t_fake, t_enc_ro, t_dec_ro, t_update, t_enc_eco, t_dec_eco)):

@@ -183,6 +183,32 @@ def engine_core_outputs_from_pb(msg: ec_pb.EngineCoreOutputs, last_plain_req_ids
     )
 
 
+class OutputsEncoder:
+    """The scheduler's end of one frontend stream: remembers the last plain request ids sent."""
+
+    def __init__(self) -> None:
+        self.last_plain_req_ids: list[str] | None = None
+
+    def encode(self, o: m.EngineCoreOutputs) -> ec_pb.EngineCoreOutputs:
+        msg = engine_core_outputs_to_pb(o, self.last_plain_req_ids)
+        if o.plain_req_ids:
+            self.last_plain_req_ids = o.plain_req_ids
+        return msg
+
+
+class OutputsDecoder:
+    """The frontend's end of one scheduler stream: remembers the last plain request ids received."""
+
+    def __init__(self) -> None:
+        self.last_plain_req_ids: list[str] | None = None
+
+    def decode(self, msg: ec_pb.EngineCoreOutputs) -> m.EngineCoreOutputs:
+        o = engine_core_outputs_from_pb(msg, self.last_plain_req_ids)
+        if o.plain_req_ids:
+            self.last_plain_req_ids = o.plain_req_ids
+        return o
+
+
 def ids_or_referred(ids, refers: bool, referred: list[str] | None, what: str) -> list[str]:
     """A message's request ids, or a copy of the ids it refers to (sent before, so left out)."""
     if not refers:

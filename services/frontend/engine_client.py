@@ -151,12 +151,9 @@ class EngineClient:
                 self._connected.set()
                 logger.info("connected to scheduler %s (model %s)", self.scheduler_addr, self.info.model_name)
                 backoff_s = 0.2
-                last_plain_req_ids: list[str] | None = None  # steady steps leave the ids out: see the proto
+                decoder = codec.OutputsDecoder()  # steady steps leave the ids out: see the proto
                 async for response in self._call:
-                    outputs = codec.engine_core_outputs_from_pb(response.outputs, last_plain_req_ids)
-                    if outputs.plain_req_ids:
-                        last_plain_req_ids = outputs.plain_req_ids
-                    self._dispatch(outputs)
+                    self._dispatch(decoder.decode(response.outputs))
                 raise EngineError("the scheduler closed the stream", "unavailable")
             except asyncio.CancelledError:
                 raise

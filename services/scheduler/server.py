@@ -28,16 +28,13 @@ class EngineCoreServicer(engine_core_pb2_grpc.EngineCoreServiceServicer):
         # queue wait per step, no task or wait set built per step.
         reader.add_done_callback(lambda _: queue.put_nowait(None))
         # Plain outputs name their requests only when the set or order changed since the last ones.
-        last_plain_req_ids: list[str] | None = None
+        encoder = codec.OutputsEncoder()
         try:
             while True:
                 outputs = await queue.get()
                 if outputs is None:
                     break  # the frontend closed its side
-                msg = codec.engine_core_outputs_to_pb(outputs, last_plain_req_ids)
-                if outputs.plain_req_ids:
-                    last_plain_req_ids = outputs.plain_req_ids
-                yield engine_core_pb2.ConnectResponse(outputs=msg)
+                yield engine_core_pb2.ConnectResponse(outputs=encoder.encode(outputs))
         finally:
             reader.cancel()
             self.engine.unregister_client(client_id)

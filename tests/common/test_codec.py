@@ -40,16 +40,13 @@ def test_plain_outputs_for_the_last_messages_requests_send_no_ids():
              m.EngineCoreOutputs([m.EngineCoreOutput("a", [], finish_reason=m.FinishReason.ABORT)]),  # no plain
              m.EngineCoreOutputs(plain_req_ids=["a", "b"], plain_token_ids=[[5], [6]]),   # still as the last plain
              m.EngineCoreOutputs(plain_req_ids=["b"], plain_token_ids=[[7]])]             # changed: ids sent
-    sent_last = received_last = None
+    encoder, decoder = codec.OutputsEncoder(), codec.OutputsDecoder()
     flags = []
     for eco in steps:
-        msg = _wire(codec.engine_core_outputs_to_pb(eco, sent_last))
-        sent_last = eco.plain_req_ids or sent_last
+        msg = _wire(encoder.encode(eco))
         flags.append(msg.request_ids_as_last)
         assert not (msg.request_ids_as_last and msg.request_ids)
-        back = codec.engine_core_outputs_from_pb(msg, received_last)
-        received_last = back.plain_req_ids or received_last
-        assert back == eco
+        assert decoder.decode(msg) == eco
     assert flags == [False, True, False, True, False]
     with pytest.raises(ValueError, match="last message"):
         codec.engine_core_outputs_from_pb(codec.engine_core_outputs_to_pb(steps[1], ["a", "b"]))
