@@ -53,7 +53,9 @@ class SpindleServer(Server):
         # the peers get (torch's default), unless SPINDLE_NUM_THREADS says otherwise.
         threads = os.environ.get("SPINDLE_NUM_THREADS") or str(os.cpu_count() or 1)
         env = {"SPINDLE_LOG_LEVEL": "WARNING", "SPINDLE_NUM_THREADS": threads, **self.env}
-        self.cluster = SpindleCluster(log_dir, env=env).start(timeout_s)
+        # A benchmark of the PyTorch fallback would pass for one of the compiled kernels: refuse it.
+        backend = "none" if env.get("SPINDLE_FAKE_MODEL") == "true" else "cpu"
+        self.cluster = SpindleCluster(log_dir, env=env, attention_backend=backend).start(timeout_s)
         with urllib.request.urlopen(self.cluster.base_url + "/v1/models", timeout=10) as resp:
             import json
 

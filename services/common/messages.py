@@ -221,6 +221,7 @@ class KVCacheSpec:
     device: str
     dtype: str
     vocab_size: int
+    attention_backend: str  # AttentionBackend.name, or "none" for the fake model
 
 
 @dataclass(frozen=True)
@@ -234,3 +235,4 @@ class EngineInfo:
     device: str
     dtype: str
     vocab_size: int
+    attention_backend: str

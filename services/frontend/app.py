@@ -63,13 +63,18 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def stats(request: web.Request) -> web.Response:
-    """The engine's scheduler stats (running, waiting, KV blocks), straight from the scheduler."""
+    """The engine's scheduler stats (running, waiting, KV blocks), straight from the scheduler, and
+    the device, dtype and attention backend the engine reported when the frontend connected."""
     serving = request.app[SERVING_KEY]
     try:
         scheduler_stats, is_worker_alive = await serving.engine_client.get_stats()
     except Exception as exc:  # the scheduler is unreachable: report it rather than fail
         raise service_unavailable(f"cannot reach the scheduler: {exc}") from exc
-    return web.json_response({**dataclasses.asdict(scheduler_stats), "is_worker_alive": is_worker_alive})
+    info = serving.engine_client.info
+    # What the engine runs on, so an operator (or a test) sees a fallback to the PyTorch attention.
+    engine = {} if info is None else {"device": info.device, "dtype": info.dtype,
+                                      "attention_backend": info.attention_backend}
+    return web.json_response({**dataclasses.asdict(scheduler_stats), "is_worker_alive": is_worker_alive, **engine})
 
 
 async def version(request: web.Request) -> web.Response:

@@ -134,6 +134,7 @@ class EngineCore:
             device=spec.device,
             dtype=spec.dtype,
             vocab_size=spec.vocab_size,
+            attention_backend=spec.attention_backend,
         )
         logger.info("worker %s ready: %d KV blocks of %d tokens, max_model_len %d",
                     self.worker.address, spec.num_blocks, spec.block_size, self.scheduler.max_model_len)

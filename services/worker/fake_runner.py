@@ -117,5 +117,6 @@ def load_fake_model(config: WorkerConfig, dtype: torch.dtype) -> tuple[FakeModel
         device="cpu",
         dtype=str(dtype).removeprefix("torch."),
         vocab_size=FAKE_VOCAB_SIZE,
+        attention_backend="none",
     )
     return FakeModelRunner(layout), spec

@@ -115,7 +115,10 @@ class Worker:
             device=str(self.device),
             dtype=_dtype_name(self.dtype),
             vocab_size=hf_config.vocab_size,
+            attention_backend=backend.name,
         )
+        logger.info("attention backend: %s%s", backend.name,
+                    " (compiled C decode kernel)" if backend.name == "cpu" else "")
 
     def _cpu_kernels(self) -> ctypes.CDLL | None:
         """The compiled CPU kernels, on a CPU unless --attention-backend torch (None: PyTorch only)."""

@@ -24,7 +24,8 @@ SUMMARY_KEYS = {"num_planned", "num_complete", "num_failed", "num_cancelled", "i
 
 @pytest.fixture(scope="module")
 def fake_cluster(tmp_path_factory):
-    cluster = SpindleCluster(tmp_path_factory.mktemp("bench"), env={"SPINDLE_FAKE_MODEL": "true"})
+    cluster = SpindleCluster(tmp_path_factory.mktemp("bench"), env={"SPINDLE_FAKE_MODEL": "true"},
+                             attention_backend="none")
     try:
         yield cluster.start(timeout_s=120)
     finally:

@@ -1,6 +1,7 @@
 """Starts the three services as separate processes on free ports, as a deployment would."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -22,8 +23,11 @@ def free_port() -> int:
 class SpindleCluster:
     """frontend + scheduler + worker, each `python -m services.<name>`, configured by SPINDLE_* variables."""
 
-    def __init__(self, log_dir: Path, env: dict[str, str] | None = None):
+    def __init__(self, log_dir: Path, env: dict[str, str] | None = None, attention_backend: str = "cpu"):
+        """attention_backend: what the worker must report once healthy ("cpu" is the compiled C decode
+        kernel), so a failed kernel build cannot pass the parity tests on the PyTorch fallback."""
         self.log_dir = log_dir
+        self.attention_backend = attention_backend
         self.http_port = free_port()
         self.frontend_grpc_addr = f"127.0.0.1:{free_port()}"
         self.scheduler_addr = f"127.0.0.1:{free_port()}"
@@ -62,6 +66,11 @@ class SpindleCluster:
         for name in ("worker", "scheduler", "frontend"):
             self.start_service(name)
         self.wait_healthy(timeout_s)
+        with urllib.request.urlopen(self.base_url + "/stats", timeout=10) as resp:
+            backend = json.load(resp)["attention_backend"]
+        if backend != self.attention_backend:
+            raise RuntimeError(f"worker runs attention backend {backend!r}, expected {self.attention_backend!r}:\n"
+                               + self.log_tail("worker"))
         return self
 
     def wait_healthy(self, timeout_s: float = 300) -> None:

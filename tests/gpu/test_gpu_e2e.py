@@ -4,6 +4,8 @@ prefill/decode batches through the CUDA kernels)."""
 from __future__ import annotations
 
 import asyncio
+import json
+import urllib.request
 
 import openai
 import pytest
@@ -19,7 +21,7 @@ pytestmark = pytest.mark.gpu
 def cuda_cluster(tmp_path_factory):
     env = {"SPINDLE_DEVICE": "cuda", "SPINDLE_DTYPE": "float32", "SPINDLE_MAX_MODEL_LEN": "2048",
            "SPINDLE_GPU_MEMORY_UTILIZATION": "0.5"}
-    c = SpindleCluster(tmp_path_factory.mktemp("logs"), env=env)
+    c = SpindleCluster(tmp_path_factory.mktemp("logs"), env=env, attention_backend="cupy")
     try:
         yield c.start()
     finally:
@@ -30,7 +32,9 @@ def test_greedy_parity_on_cuda(cuda_cluster, model, references):
     client = openai.OpenAI(base_url=cuda_cluster.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
     for prompt, ref in zip(PROMPTS, references):
         assert_greedy_match(chat_ids(client, model, prompt), ref, f"cuda: {prompt}")
-    assert "cuda" in cuda_cluster.log_tail("worker", 20000)
+    with urllib.request.urlopen(cuda_cluster.base_url + "/stats", timeout=10) as resp:
+        stats = json.load(resp)
+    assert (stats["device"], stats["attention_backend"]) == ("cuda", "cupy"), stats
 
 
 def test_greedy_parity_on_cuda_concurrently(cuda_cluster, model, references):

@@ -114,7 +114,7 @@ class InProcessWorker:
         self.max_in_flight = 0
 
     async def connect(self) -> KVCacheSpec:
-        return KVCacheSpec(BLOCK_SIZE, 64, 1024, 256, "fake", "cpu", "float32", 1000)
+        return KVCacheSpec(BLOCK_SIZE, 64, 1024, 256, "fake", "cpu", "float32", 1000, "none")
 
     async def initialize(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)

@@ -71,6 +71,7 @@ def test_describe_and_initialize(stub):
     spec = worker_codec.kv_cache_spec_from_pb(stub.DescribeKVCache(worker_pb2.DescribeKVCacheRequest()))
     assert (spec.model_name, spec.block_size, spec.dtype, spec.device) == ("tiny", 4, "float32", "cpu")
     assert spec.max_model_len == 256 and spec.vocab_size == 512
+    assert spec.attention_backend == "cpu"  # the compiled decode kernel, not the PyTorch fallback
     assert spec.num_blocks == 2**20 // spec.block_bytes
     response = stub.InitializeKVCache(worker_pb2.InitializeKVCacheRequest(num_blocks=100))
     assert response.num_blocks == 100 and response.kv_cache_bytes == 100 * spec.block_bytes
