@@ -108,3 +108,18 @@ class SpindleCluster:
         for name in ("frontend", "scheduler", "worker"):
             if name in self.procs:
                 self.stop_service(name)
+
+    def wait_for_idle(self, timeout_s: float = 30.0) -> dict:
+        """Polls /stats until no request runs or waits and returns those stats; raises TimeoutError
+        (with the last stats) otherwise, so a slow engine is not mistaken for leaked blocks."""
+        import json
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with urllib.request.urlopen(self.base_url + "/stats", timeout=10) as resp:
+                stats = json.load(resp)
+            if stats["num_running_reqs"] == 0 and stats["num_waiting_reqs"] == 0:
+                return stats
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"requests still running or waiting after {timeout_s} s: {stats}")
+            time.sleep(0.1)

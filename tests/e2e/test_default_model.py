@@ -1,11 +1,15 @@
-"""End to end on the embedded default model: three processes, the official openai client, HF as oracle."""
+"""End to end on the embedded default model: three processes, the official openai client, HF as oracle.
+
+Every response body and stream event is validated against the OpenAI description as it came over
+the wire (tests/openai_schema.py), not as the client rebuilt it.
+"""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
-import urllib.error
-import urllib.request
 
+import jsonschema
 import openai
 import pytest
 import torch
@@ -13,8 +17,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.common.model_files import resolve_model
 from tests.e2e.cluster import SpindleCluster
+from tests.e2e.openai_calls import BLOCK_SIZE, EOS, chat_text, post_json, template_ids
 from tests.e2e.parity import assert_greedy_match, hf_greedy
-from tests.openai_schema import validate
+from tests.openai_schema import COMPLETION_CHUNK, acreate, create, stream, validate, validate_body
 
 PROMPTS = [
     "What is the capital of France?",
@@ -27,6 +32,7 @@ PROMPTS = [
     "Give me a tip for learning to code.",
 ]
 MAX_TOKENS = 24
+CHAT = "CreateChatCompletionResponse"
 
 
 @pytest.fixture(scope="module")
@@ -34,17 +40,26 @@ def model():
     return resolve_model(None, None)
 
 
+@functools.lru_cache(maxsize=1)
+def _load(path: str) -> tuple:
+    """The tokenizer and the transformers model, loaded once per process for every fixture here."""
+    return AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
 @pytest.fixture(scope="module")
-def references(model):
-    tokenizer = AutoTokenizer.from_pretrained(model.path)
-    hf = AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32)
-    refs = []
-    for prompt in PROMPTS:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True)
-        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-        refs.append(hf_greedy(hf, list(ids), MAX_TOKENS))
-    return refs
+def tokenizer(model):
+    return _load(str(model.path))[0]
+
+
+@pytest.fixture(scope="module")
+def hf(model):
+    return _load(str(model.path))[1]
+
+
+@pytest.fixture(scope="module")
+def references(model):  # only `model`: tests/gpu imports this fixture with it
+    tokenizer, hf = _load(str(model.path))
+    return [hf_greedy(hf, template_ids(tokenizer, [{"role": "user", "content": p}]), MAX_TOKENS) for p in PROMPTS]
 
 
 @pytest.fixture(scope="module")
@@ -62,11 +77,8 @@ def client(cluster):
 
 
 def chat_ids(client, model, prompt: str) -> list[int]:
-    resp = client.chat.completions.create(
-        model=model.name, messages=[{"role": "user", "content": prompt}], max_tokens=MAX_TOKENS, temperature=0,
-        extra_body={"return_token_ids": True},
-    )
-    validate(resp.model_dump(mode="json", exclude_unset=True), "CreateChatCompletionResponse")
+    resp = create(client.chat.completions, CHAT, model=model.name, messages=[{"role": "user", "content": prompt}],
+                  max_tokens=MAX_TOKENS, temperature=0, extra_body={"return_token_ids": True})
     return resp.choices[0].token_ids
 
 
@@ -75,58 +87,67 @@ def test_greedy_chat_matches_transformers_sequentially(client, model, references
         assert_greedy_match(chat_ids(client, model, prompt), ref, prompt)
 
 
-def test_greedy_chat_matches_transformers_concurrently(cluster, model, references):
-    async def run():
-        aclient = openai.AsyncOpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0,
-                                     timeout=300)
-        resps = await asyncio.gather(*[
-            aclient.chat.completions.create(
-                model=model.name, messages=[{"role": "user", "content": p}], max_tokens=MAX_TOKENS, temperature=0,
-                extra_body={"return_token_ids": True})
+async def _chat_all(cluster, model) -> list:
+    async with openai.AsyncOpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0,
+                                  timeout=300) as aclient:
+        return await asyncio.gather(*[
+            acreate(aclient.chat.completions, CHAT, model=model.name, messages=[{"role": "user", "content": p}],
+                    max_tokens=MAX_TOKENS, temperature=0, extra_body={"return_token_ids": True})
             for p in PROMPTS
         ])
-        await aclient.close()
-        return resps
 
-    for prompt, ref, resp in zip(PROMPTS, references, asyncio.run(run())):
+
+def test_greedy_chat_matches_transformers_concurrently(cluster, model, references):
+    for prompt, ref, resp in zip(PROMPTS, references, asyncio.run(_chat_all(cluster, model))):
         assert_greedy_match(resp.choices[0].token_ids, ref, prompt)
 
 
-def test_capital_of_france(client, model):
-    resp = client.chat.completions.create(
-        model=model.name, messages=[{"role": "user", "content": "What is the capital of France?"}], temperature=0,
-        max_tokens=20)
-    assert resp.choices[0].message.content == "The capital of France is Paris."
-    assert resp.choices[0].finish_reason == "stop"
-    assert resp.usage.completion_tokens > 0 and resp.usage.prompt_tokens > 0
+def test_capital_of_france(client, model, tokenizer):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    raw = client.chat.completions.with_raw_response.create(model=model.name, messages=messages, temperature=0,
+                                                           max_tokens=20, extra_body={"return_token_ids": True})
+    body = validate_body(raw.content, CHAT)
+    choice = body["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": "The capital of France is Paris.", "refusal": None}
+    assert choice["finish_reason"] == "stop" and choice["token_ids"][-1] == EOS
+    assert tokenizer.decode(choice["token_ids"][:-1]) == choice["message"]["content"]
+    prompt_ids = template_ids(tokenizer, messages)
+    assert body["prompt_token_ids"] == prompt_ids
+    assert body["usage"]["prompt_tokens"] == len(prompt_ids)
+    assert body["usage"]["completion_tokens"] == len(choice["token_ids"])  # EOS counts, as in OpenAI's usage
+    assert body["usage"]["total_tokens"] == len(prompt_ids) + len(choice["token_ids"])
+    # The same wire body without a required field fails: the check above could have failed.
+    for broken in ({k: v for k, v in body.items() if k != "created"},
+                   {**body, "choices": [{k: v for k, v in choice.items() if k != "index"}]}):
+        with pytest.raises(jsonschema.ValidationError):
+            validate(broken, CHAT)
 
 
 def test_streaming_and_non_streaming_give_the_same_text(client, model):
     for prompt in PROMPTS[:3]:
         messages = [{"role": "user", "content": prompt}]
-        full = client.chat.completions.create(model=model.name, messages=messages, max_tokens=MAX_TOKENS,
-                                              temperature=0)
-        chunks = list(client.chat.completions.create(model=model.name, messages=messages, max_tokens=MAX_TOKENS,
-                                                     temperature=0, stream=True))
-        for chunk in chunks:
-            validate(chunk.model_dump(mode="json", exclude_unset=True), "CreateChatCompletionStreamResponse")
-        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        assert streamed == full.choices[0].message.content
-        assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+        full = create(client.chat.completions, CHAT, model=model.name, messages=messages, max_tokens=MAX_TOKENS,
+                      temperature=0)
+        chunks = stream(client.chat.completions, "CreateChatCompletionStreamResponse", model=model.name,
+                        messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+        assert chat_text(chunks) == full.choices[0].message.content
+        reasons = [c["choices"][0]["finish_reason"] for c in chunks]
+        assert reasons == [None] * (len(chunks) - 1) + [full.choices[0].finish_reason]
 
 
-def test_completions_models_and_streaming_through_openai_client(client, model):
-    models = client.models.list()
-    validate(models.model_dump(mode="json", exclude_unset=True), "ListModelsResponse")
-    assert [m.id for m in models.data] == [model.name]
+def test_completions_models_and_streaming_through_openai_client(client, model, tokenizer, hf):
+    raw_models = client.models.with_raw_response.list()
+    assert [m["id"] for m in validate_body(raw_models.content, "ListModelsResponse")["data"]] == [model.name]
 
-    full = client.completions.create(model=model.name, prompt="The capital of France is", max_tokens=8,
-                                     temperature=0)
-    validate(full.model_dump(mode="json", exclude_unset=True), "CreateCompletionResponse")
-    streamed = client.completions.create(model=model.name, prompt="The capital of France is", max_tokens=8,
-                                         temperature=0, stream=True)
-    text = "".join(c.choices[0].text for c in streamed if c.choices)
-    assert text == full.choices[0].text and len(text) > 0
+    prompt = "The capital of France is"
+    full = create(client.completions, "CreateCompletionResponse", model=model.name, prompt=prompt, max_tokens=8,
+                  temperature=0, extra_body={"return_token_ids": True})
+    assert_greedy_match(full.choices[0].token_ids, hf_greedy(hf, tokenizer.encode(prompt), 8), prompt)
+    assert full.choices[0].text == tokenizer.decode(full.choices[0].token_ids)
+    chunks = stream(client.completions, COMPLETION_CHUNK, model=model.name, prompt=prompt, max_tokens=8,
+                    temperature=0)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == full.choices[0].text
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
 
 
 def test_all_kv_blocks_return_after_finish_and_abort(cluster, client, model):
@@ -134,32 +155,12 @@ def test_all_kv_blocks_return_after_finish_and_abort(cluster, client, model):
         client.chat.completions.create(model=model.name, messages=[{"role": "user", "content": prompt}],
                                        max_tokens=8)
     # A stream dropped after its first chunk aborts the request.
-    stream = client.chat.completions.create(model=model.name, messages=[{"role": "user", "content": PROMPTS[0]}],
-                                            max_tokens=200, stream=True)
-    next(iter(stream))
-    stream.close()
-    stats = wait_for_idle(cluster)
+    dropped = client.chat.completions.create(model=model.name, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                             max_tokens=200, stream=True)
+    next(iter(dropped))
+    dropped.close()
+    stats = cluster.wait_for_idle()
     assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
-
-
-def wait_for_idle(cluster, timeout_s: float = 10.0) -> dict:
-    import time
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with urllib.request.urlopen(cluster.base_url + "/stats", timeout=5) as resp:
-            stats = json.load(resp)
-        if (stats["num_running_reqs"] == 0 and stats["num_waiting_reqs"] == 0) or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.1)
-
-
-def _post(cluster, path: str, body: bytes) -> tuple[int, dict]:
-    req = urllib.request.Request(cluster.base_url + path, data=body, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return resp.status, json.load(resp)
-    except urllib.error.HTTPError as err:
-        return err.code, json.load(err)
 
 
 @pytest.mark.parametrize("body, status, param", [
@@ -171,12 +172,13 @@ def _post(cluster, path: str, body: bytes) -> tuple[int, dict]:
     (json.dumps({"messages": [{"role": "user", "content": "hello " * 3000}]}).encode(), 400, "messages"),
 ])
 def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(cluster, client, model, body, status, param):
-    got_status, error = _post(cluster, "/v1/chat/completions", body)
+    got_status, error = post_json(cluster, "/v1/chat/completions", body)
     assert got_status == status, error
     validate(error, "ErrorResponse")
     assert error["error"]["param"] == param
-    ok = client.chat.completions.create(model=model.name, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
-    assert ok.choices[0].finish_reason in ("length", "stop")
+    ok = create(client.chat.completions, CHAT, model=model.name, messages=[{"role": "user", "content": "Hi"}],
+                max_tokens=2, temperature=0)
+    assert ok.choices[0].finish_reason == "length" and ok.usage.completion_tokens == 2
 
 
 def test_grpc_generate_streams_the_same_greedy_text(cluster, client, model):
@@ -185,13 +187,15 @@ def test_grpc_generate_streams_the_same_greedy_text(cluster, client, model):
     from services.common.pb import engine_core_pb2, generate_pb2, generate_pb2_grpc
 
     prompt = "The capital of France is"
-    http = client.completions.create(model=model.name, prompt=prompt, max_tokens=8, temperature=0)
+    http = create(client.completions, "CreateCompletionResponse", model=model.name, prompt=prompt, max_tokens=8,
+                  temperature=0, extra_body={"return_token_ids": True})
     with grpc.insecure_channel(cluster.frontend_grpc_addr) as channel:
         stub = generate_pb2_grpc.GenerateServiceStub(channel)
         request = generate_pb2.GenerateRequest(
             text=prompt, sampling_params=engine_core_pb2.SamplingParams(temperature=0, max_tokens=8))
         responses = list(stub.Generate(request, timeout=60))
     assert "".join(r.text for r in responses) == http.choices[0].text
+    assert [t for r in responses for t in r.token_ids] == http.choices[0].token_ids
     assert responses[-1].finish_reason == engine_core_pb2.FINISH_REASON_LENGTH
     assert sum(len(r.token_ids) for r in responses) == 8
 
@@ -214,24 +218,10 @@ def constrained_cluster(tmp_path_factory):
 
 
 def test_greedy_parity_under_preemption_and_chunked_prefill(constrained_cluster, model, references):
-    before = wait_for_idle(constrained_cluster)
-
-    async def run():
-        aclient = openai.AsyncOpenAI(base_url=constrained_cluster.base_url + "/v1", api_key="unused",
-                                     max_retries=0, timeout=300)
-        try:
-            return await asyncio.gather(*[
-                aclient.chat.completions.create(
-                    model=model.name, messages=[{"role": "user", "content": p}], max_tokens=MAX_TOKENS,
-                    temperature=0, extra_body={"return_token_ids": True})
-                for p in PROMPTS
-            ])
-        finally:
-            await aclient.close()
-
-    for prompt, ref, resp in zip(PROMPTS, references, asyncio.run(run())):
+    before = constrained_cluster.wait_for_idle()
+    for prompt, ref, resp in zip(PROMPTS, references, asyncio.run(_chat_all(constrained_cluster, model))):
         assert_greedy_match(resp.choices[0].token_ids, ref, prompt)
-    after = wait_for_idle(constrained_cluster)
+    after = constrained_cluster.wait_for_idle()
     assert after["num_preemptions"] > before["num_preemptions"], "the small KV cache should force preemption"
     assert after["num_free_blocks"] == after["num_total_blocks"]
 
@@ -239,24 +229,56 @@ def test_greedy_parity_under_preemption_and_chunked_prefill(constrained_cluster,
 SYSTEM_PROMPT = ("You are a meticulous assistant for a public library. " * 30).strip()
 
 
-def test_shared_system_prompt_is_served_from_the_prefix_cache(cluster, model):
-    import time
+def test_shared_system_prompt_is_served_from_the_prefix_cache(client, model, tokenizer):
+    conversations = [[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
+                     for question in ("Where are the atlases?", "When do you open on Sundays?")]
+    usages = []
+    for messages in conversations:
+        chunks = stream(client.chat.completions, "CreateChatCompletionStreamResponse",
+                        model=model.name, max_tokens=4, temperature=0, stream_options={"include_usage": True},
+                        messages=messages)
+        usages.append(chunks[-1]["usage"])
+    cold_ids, warm_ids = (template_ids(tokenizer, m) for m in conversations)
+    shared = next(i for i, (a, b) in enumerate(zip(cold_ids, warm_ids)) if a != b)
+    assert [u["prompt_tokens"] for u in usages] == [len(cold_ids), len(warm_ids)]
+    # Nothing before shares a block with this system prompt; the second request reuses every full
+    # block of the common prefix (never the prompt's last token, which must be computed).
+    assert usages[0]["prompt_tokens_details"] == {"cached_tokens": 0}
+    expected = min(shared, len(warm_ids) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert usages[1]["prompt_tokens_details"] == {"cached_tokens": expected}
 
-    client = openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
-    tokenizer = AutoTokenizer.from_pretrained(model.path)
-    shared = tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM_PROMPT}], tokenize=True)
-    shared = shared["input_ids"] if hasattr(shared, "keys") else shared
-    timings = []
-    for question in ("Where are the atlases?", "When do you open on Sundays?"):
-        start = time.perf_counter()
-        stream = client.chat.completions.create(
-            model=model.name, max_tokens=4, temperature=0, stream=True, stream_options={"include_usage": True},
-            messages=[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}])
-        ttft, usage = None, None
-        for chunk in stream:
-            if ttft is None and chunk.choices and chunk.choices[0].delta.content:
-                ttft = time.perf_counter() - start
-            usage = chunk.usage or usage
-        timings.append((ttft, usage.prompt_tokens_details.cached_tokens, usage.prompt_tokens))
-    print(f"shared prefix {len(shared)} tokens; (TTFT s, cached, prompt) cold {timings[0]}, warm {timings[1]}")
-    assert timings[1][1] >= 0.9 * len(shared)
+
+def test_wait_for_idle_raises_on_timeout_with_the_last_stats(tmp_path):
+    """A request that never leaves the engine is a TimeoutError showing the stats, not stale stats that
+    a caller would read as leaked blocks. A stub /stats that always reports one running request."""
+    import http.server
+    import threading
+
+    busy = {"num_running_reqs": 1, "num_waiting_reqs": 0, "num_free_blocks": 3, "num_total_blocks": 16}
+
+    class BusyStats(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps(busy).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), BusyStats)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        stub = SpindleCluster(tmp_path)
+        stub.http_port = server.server_address[1]
+        with pytest.raises(TimeoutError, match="'num_running_reqs': 1.*'num_free_blocks': 3"):
+            stub.wait_for_idle(timeout_s=0.5)
+        busy["num_running_reqs"] = 0
+        assert stub.wait_for_idle(timeout_s=0.5) == busy
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()

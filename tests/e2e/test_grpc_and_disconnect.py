@@ -21,10 +21,14 @@ import pytest
 from google.protobuf import descriptor_pool, message_factory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from transformers import AutoTokenizer
 
+from services.common.model_files import resolve_model
 from services.common.pb import engine_core_pb2, generate_pb2, generate_pb2_grpc
 from tests.e2e.cluster import SpindleCluster
+from tests.e2e.openai_calls import post_json
 from tests.frontend.bad_inputs import GRPC_CASES, doc_cases, param_of_grpc_details
+from tests.openai_schema import validate
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "The capital of France is"
@@ -57,22 +61,31 @@ def stats(cluster) -> dict:
 
 
 def wait_until(predicate, timeout_s: float = 60.0):
+    """Polls `predicate` until it returns something true, and returns that; raises TimeoutError with
+    its last value otherwise, so a slow engine is told apart from a wrong state."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = predicate()
-        if value or time.monotonic() > deadline:
+        if value:
             return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"still {value!r} after {timeout_s} s")
         time.sleep(0.1)
 
 
 def assert_engine_idle_and_blocks_free(cluster) -> None:
     """The aborted requests are gone from the scheduler and every KV block is back in the pool."""
-    def idle():
-        s = stats(cluster)
-        return s if s["num_running_reqs"] == s["num_waiting_reqs"] == 0 and \
-            s["num_free_blocks"] == s["num_total_blocks"] else None
+    idle = cluster.wait_for_idle(timeout_s=60)
+    assert idle["num_free_blocks"] == idle["num_total_blocks"], idle
 
-    assert wait_until(idle), stats(cluster)
+
+def http_completion(cluster, **fields) -> dict:
+    """The HTTP API's answer to the same greedy request, validated as sent."""
+    status, body = post_json(cluster, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "temperature": 0,
+                                                         "return_token_ids": True, **fields})
+    assert status == 200, body
+    validate(body, "CreateCompletionResponse")
+    return body
 
 
 def generate_request(**fields) -> generate_pb2.GenerateRequest:
@@ -91,18 +104,21 @@ def test_generated_stubs_client(cluster, stub):
 
     info = stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=10)
     assert (info.model_name, info.max_model_len, info.vocab_size) == (MODEL, 2048, 49152)
-    assert 2 in info.eos_token_ids
+    assert list(info.eos_token_ids) == [2]  # <|im_end|>
 
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(None, None).path)
     tokens = stub.Tokenize(generate_pb2.TokenizeRequest(text=PROMPT), timeout=10)
-    assert len(tokens.token_ids) == len(tokens.tokens) > 0
+    assert list(tokens.token_ids) == tokenizer.encode(PROMPT)
+    assert list(tokens.tokens) == tokenizer.convert_ids_to_tokens(tokenizer.encode(PROMPT))
 
     by_text = list(stub.Generate(generate_request(text=PROMPT, params={"temperature": 0, "max_tokens": 8}),
                                  timeout=120))
     by_ids = list(stub.Generate(generate_request(token_ids=engine_core_pb2.TokenIds(token_ids=tokens.token_ids),
                                                  params={"temperature": 0, "max_tokens": 8}), timeout=120))
     text = "".join(r.text for r in by_text)
-    assert text and text == "".join(r.text for r in by_ids)
-    assert [t for r in by_text for t in r.token_ids] == [t for r in by_ids for t in r.token_ids]
+    http = http_completion(cluster, max_tokens=8)["choices"][0]
+    assert text == "".join(r.text for r in by_ids) == http["text"]
+    assert [t for r in by_text for t in r.token_ids] == [t for r in by_ids for t in r.token_ids] == http["token_ids"]
     assert by_text[-1].finish_reason == engine_core_pb2.FINISH_REASON_LENGTH
     assert by_text[-1].num_prompt_tokens == len(tokens.token_ids) and by_text[-1].num_completion_tokens == 8
 
@@ -116,7 +132,12 @@ def test_generated_stubs_client(cluster, stub):
         for r in mine:
             assert len(r.logprobs) == len(r.token_ids)
             for lp, token_id in zip(r.logprobs, r.token_ids):
-                assert lp.logprob <= 0 and lp.rank == 1 and lp.top_logprobs[0].token_id == token_id  # greedy
+                # Greedy: the sampled token is the most likely, and exactly 2 alternatives are listed.
+                assert lp.rank == 1 and len(lp.top_logprobs) == 2
+                assert (lp.top_logprobs[0].token_id, lp.top_logprobs[0].logprob) == (token_id, lp.logprob)
+        logprobs = [lp.logprob for r in mine for lp in r.logprobs]
+        http = http_completion(cluster, max_tokens=8, stop=[stop], logprobs=2)["choices"][0]
+        assert logprobs == pytest.approx(http["logprobs"]["token_logprobs"], abs=1e-4)
 
 
 # --- gRPC by reflection --------------------------------------------------------------------------
@@ -143,8 +164,9 @@ def test_reflection_discovers_and_calls_the_service(cluster):
         params_class = message_factory.GetMessageClass(pool.FindMessageTypeByName("spindle.v1.SamplingParams"))
         responses = list(call("Generate", {"text": PROMPT, "sampling_params": params_class(temperature=0,
                                                                                           max_tokens=4)}, True))
-    assert "".join(r.text for r in responses)
-    assert sum(len(r.token_ids) for r in responses) == 4
+    http = http_completion(cluster, max_tokens=4)["choices"][0]
+    assert "".join(r.text for r in responses) == http["text"]
+    assert [t for r in responses for t in r.token_ids] == http["token_ids"]
 
 
 DOC_CASES = doc_cases()
@@ -229,7 +251,7 @@ def test_full_queue_is_429_and_resource_exhausted(cluster):
             return http_error.value, grpc_error.value
 
     http_error, grpc_error = asyncio.run(scenario())
-    assert http_error.status_code == 429 and http_error.response.headers["Retry-After"]
+    assert http_error.status_code == 429 and http_error.response.headers["Retry-After"] == "1"
     assert grpc_error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert_engine_idle_and_blocks_free(cluster)
 
@@ -245,7 +267,7 @@ def test_worker_gone_is_503_and_unavailable(cluster, stub):
         with pytest.raises(openai.APIStatusError) as http_error:
             client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
         assert http_error.value.status_code == 503
-        assert http_error.value.response.headers["Retry-After"]
+        assert http_error.value.response.headers["Retry-After"] == "5"
         with pytest.raises(grpc.RpcError) as grpc_error:
             list(stub.Generate(generate_request(text=PROMPT), timeout=30))
         assert grpc_error.value.code() == grpc.StatusCode.UNAVAILABLE

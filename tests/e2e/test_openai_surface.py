@@ -2,25 +2,30 @@
 
 Each sampling knob is checked by an effect that would fail if the knob were ignored; logprobs are
 checked against transformers' log-softmax; every bad-input row of docs/api.md is sent to the real
-services. One cluster serves the whole module.
+services. Every body and stream event is validated as it came over the wire. One cluster serves the
+whole module.
 """
 from __future__ import annotations
 
-import asyncio
 import collections
-import json
-import urllib.error
-import urllib.request
+from importlib import metadata
 
 import openai
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.common.model_files import resolve_model
 from tests.e2e.cluster import SpindleCluster
+from tests.e2e.openai_calls import (
+    BLOCK_SIZE, EOS, chat_text, gather, get_json, post_json, split_openai_args, template_ids,
+)
+from tests.e2e.parity import Reference, assert_greedy_match
 from tests.frontend.bad_inputs import HTTP_CASES, doc_cases
-from tests.openai_schema import validate
+from tests.openai_schema import COMPLETION_CHUNK, acreate, astream, create, stream, validate
+
+CHAT_SCHEMA, CHUNK_SCHEMA, COMPLETION_SCHEMA = (
+    "CreateChatCompletionResponse", "CreateChatCompletionStreamResponse", "CreateCompletionResponse")
 
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 STORY = "Once upon a time"
@@ -34,12 +39,14 @@ def model():
 
 
 @pytest.fixture(scope="module")
+def tokenizer(model):
+    return AutoTokenizer.from_pretrained(model.path)
+
+
+@pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     c = SpindleCluster(tmp_path_factory.mktemp("logs"),
-                       env={"SPINDLE_KV_CACHE_BYTES": str(256 * 2**20), "SPINDLE_MAX_MODEL_LEN": "2048",
-                            # One compute thread: on a shared 2-core machine two MKL threads spin
-                            # against other processes and make batched steps many times slower.
-                            "SPINDLE_NUM_THREADS": "1"})
+                       env={"SPINDLE_KV_CACHE_BYTES": str(256 * 2**20), "SPINDLE_MAX_MODEL_LEN": "2048"})
     try:
         yield c.start()
     finally:
@@ -51,66 +58,29 @@ def client(cluster):
     return openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
-def gather(cluster, calls):
-    """Runs `calls` (functions of an AsyncOpenAI client) at once, so the engine batches them."""
-    async def run():
-        async with openai.AsyncOpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0,
-                                      timeout=300) as aclient:
-            return await asyncio.gather(*[call(aclient) for call in calls])
-
-    return asyncio.run(run())
-
-
 def completion(client, model, **kwargs):
     kwargs.setdefault("prompt", STORY)
     kwargs.setdefault("max_tokens", 12)
-    response = client.completions.create(model=model.name, **kwargs)
-    validate(response.model_dump(mode="json", exclude_unset=True), "CreateCompletionResponse")
-    return response
+    return create(client.completions, COMPLETION_SCHEMA, model=model.name, **kwargs)
 
 
 def chat(client, model, **kwargs):
     kwargs.setdefault("messages", CAPITAL)
-    response = client.chat.completions.create(model=model.name, **kwargs)
-    validate(response.model_dump(mode="json", exclude_unset=True), "CreateChatCompletionResponse")
-    return response
-
-
-def get_json(cluster, path: str) -> dict:
-    with urllib.request.urlopen(cluster.base_url + path, timeout=30) as resp:
-        return json.load(resp)
-
-
-def post_json(cluster, path: str, body) -> tuple[int, dict]:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(cluster.base_url + path, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return resp.status, json.load(resp)
-    except urllib.error.HTTPError as err:
-        return err.code, json.load(err)
+    return create(client.chat.completions, CHAT_SCHEMA, model=model.name, **kwargs)
 
 
 # --- sampling knobs ------------------------------------------------------------------------------
-# Knobs the openai client takes as arguments; the rest (vLLM's) travel in `extra_body`.
-_OPENAI_ARGS = {"n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "logit_bias", "stop",
-                "logprobs", "top_logprobs", "echo", "stream_options"}
-
-
-def _split(kwargs: dict) -> dict:
-    extra = {k: v for k, v in kwargs.items() if k not in _OPENAI_ARGS}
-    return {**{k: v for k, v in kwargs.items() if k in _OPENAI_ARGS}, "extra_body": extra}
-
-
 def _completion_call(model, prompt=STORY, max_tokens=8, **kwargs):
     """An AsyncOpenAI completions call for `gather`."""
-    return lambda c: c.completions.create(model=model.name, prompt=prompt, max_tokens=max_tokens, **_split(kwargs))
+    return lambda c: acreate(c.completions, COMPLETION_SCHEMA, model=model.name, prompt=prompt,
+                             max_tokens=max_tokens, **split_openai_args(kwargs))
 
 
 def _chat_call(model, messages=CAPITAL, **kwargs):
     """An AsyncOpenAI chat call for `gather`, with the prompt's and the choices' token ids."""
     kwargs.setdefault("return_token_ids", True)
-    return lambda c: c.chat.completions.create(model=model.name, messages=messages, **_split(kwargs))
+    return lambda c: acreate(c.chat.completions, CHAT_SCHEMA, model=model.name, messages=messages,
+                             **split_openai_args(kwargs))
 
 
 def test_greedy_equivalents_at_high_temperature(cluster, model):
@@ -153,26 +123,42 @@ def test_penalties_lower_the_repeats_of_a_token(cluster, model):
         assert _repeats(response.choices[0].token_ids) < _repeats(base.choices[0].token_ids), name
 
 
-def test_logit_bias_forces_and_forbids_tokens(cluster, client, model):
+def test_logit_bias_forces_and_forbids_tokens(cluster, client, model, hf_model):
     forced_id = 17  # "!" in SmolLM2's vocabulary
     forced, greedy = gather(cluster, [_chat_call(model, max_tokens=8, logit_bias={str(forced_id): 100}),
                                       _chat_call(model, max_tokens=2, temperature=0)])
     assert forced.choices[0].token_ids == [forced_id] * 8
-    first = greedy.choices[0].token_ids[0]
-    banned = chat(client, model, max_tokens=2, temperature=0, logit_bias={str(first): -100},
+    with torch.inference_mode():
+        best, runner_up = hf_model(torch.tensor([greedy.prompt_token_ids])).logits[0, -1].topk(2).indices.tolist()
+    assert greedy.choices[0].token_ids[0] == best
+    banned = chat(client, model, max_tokens=2, temperature=0, logit_bias={str(best): -100},
                   extra_body={"return_token_ids": True})
-    assert banned.choices[0].token_ids[0] != first
+    assert banned.choices[0].token_ids[0] == runner_up
 
 
-def test_min_tokens_stop_token_ids_and_ignore_eos(cluster, model):
+def hf_greedy_min_tokens(hf_model, prompt_token_ids: list[int], min_tokens: int, max_tokens: int) -> Reference:
+    """Transformers' greedy output with EOS masked for the first `min_tokens` tokens."""
+    input_ids = torch.tensor([prompt_token_ids])
+    with torch.inference_mode():
+        out = hf_model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                min_new_tokens=min_tokens, max_new_tokens=max_tokens, pad_token_id=EOS,
+                                output_scores=True, return_dict_in_generate=True)
+    return Reference(prompt_token_ids, out.sequences[0, len(prompt_token_ids):].tolist(),
+                     [step[0].float() for step in out.scores], max_tokens)
+
+
+def test_min_tokens_stop_token_ids_and_ignore_eos(cluster, model, hf_model):
     base, min_tokens, ignore_eos, stop_token = gather(cluster, [
         _chat_call(model, temperature=0, max_tokens=24),
         _chat_call(model, temperature=0, max_tokens=24, min_tokens=20),
         _chat_call(model, temperature=0, max_tokens=24, ignore_eos=True),
         _chat_call(model, temperature=0, max_tokens=24, stop_token_ids=[7042]),
     ])
-    assert base.choices[0].finish_reason == "stop" and base.usage.completion_tokens < 20  # ends at EOS
-    assert min_tokens.usage.completion_tokens >= 20
+    assert base.choices[0].finish_reason == "stop" and base.choices[0].token_ids[-1] == EOS
+    assert base.usage.completion_tokens == len(base.choices[0].token_ids) < 20  # ends at EOS
+    ours = min_tokens.choices[0].token_ids
+    assert EOS not in ours[:20] and min_tokens.usage.completion_tokens == len(ours)
+    assert_greedy_match(ours, hf_greedy_min_tokens(hf_model, min_tokens.prompt_token_ids, 20, 24), "min_tokens")
     assert ignore_eos.usage.completion_tokens == 24 and ignore_eos.choices[0].finish_reason == "length"
     # " Paris" (7042) ends the request where it appears; the token itself stays in the output.
     base_ids = base.choices[0].token_ids
@@ -191,11 +177,11 @@ def test_n_choices(cluster, client, model):
     assert len({tuple(c.token_ids) for c in seeded.choices}) == 3  # seed + i per choice
     assert greedy.choices[0].text == greedy.choices[1].text == single.choices[0].text
     assert greedy.usage.completion_tokens == 16 and greedy.usage.prompt_tokens == single.usage.prompt_tokens
-    stream = client.completions.create(model=model.name, prompt=STORY, max_tokens=8, n=2, temperature=0, stream=True)
     texts = collections.defaultdict(str)
-    for chunk in stream:
-        for choice in chunk.choices:
-            texts[choice.index] += choice.text
+    for chunk in stream(client.completions, COMPLETION_CHUNK, model=model.name, prompt=STORY, max_tokens=8, n=2,
+                        temperature=0):
+        for choice in chunk["choices"]:
+            texts[choice["index"]] += choice["text"]
     assert dict(texts) == {0: single.choices[0].text, 1: single.choices[0].text}
 
 
@@ -218,23 +204,29 @@ def test_chat_logprobs_match_transformers(client, model, hf_model):
     for i, (entry, token_id) in enumerate(zip(content, token_ids)):
         expected = float(reference[num_prompt - 1 + i, token_id])
         assert abs(entry.logprob - expected) < 1e-4, (i, entry.logprob, expected)
-        tops = [t.logprob for t in entry.top_logprobs]
-        assert len(tops) == 5 and tops == sorted(tops, reverse=True) and all(lp <= 0 for lp in tops)
+        top = reference[num_prompt - 1 + i].topk(5)
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-4)
         assert entry.top_logprobs[0].logprob == entry.logprob  # greedy picks the most likely token
         assert bytes(entry.bytes).decode(errors="replace") == entry.token
+    # The tokens' bytes are the text, and EOS (if the reply ended on it) is spelled out.
     text_bytes = b"".join(bytes(e.bytes) for e in content)
-    assert text_bytes.decode().startswith(resp.choices[0].message.content)
+    ending = "<|im_end|>" if token_ids[-1] == EOS else ""
+    assert text_bytes.decode() == resp.choices[0].message.content + ending
 
 
-def test_completion_logprobs_and_echo(cluster, model):
-    resp, echoed = gather(cluster, [_completion_call(model, logprobs=3, temperature=0),
+def test_completion_logprobs_and_echo(cluster, model, hf_model):
+    resp, echoed = gather(cluster, [_completion_call(model, logprobs=3, temperature=0, return_token_ids=True),
                                     _completion_call(model, echo=True, temperature=0)])
-    validate(resp.model_dump(mode="json", exclude_unset=True), "CreateCompletionResponse")
     logprobs = resp.choices[0].logprobs
     assert "".join(logprobs.tokens) == resp.choices[0].text
-    assert all(lp <= 0 for lp in logprobs.token_logprobs)
-    for token, lp, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
-        assert top[token] == lp and max(top.values()) == lp and len(top) == 3  # greedy: the top token
+    ids = torch.tensor([resp.prompt_token_ids + resp.choices[0].token_ids])
+    with torch.inference_mode():
+        reference = torch.log_softmax(hf_model(ids).logits[0].float(), dim=-1)[len(resp.prompt_token_ids) - 1:]
+    for i, (token, lp, top) in enumerate(zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs)):
+        assert lp == pytest.approx(float(reference[i].max()), abs=1e-4)  # greedy: the top token
+        # Exactly 3: the sampled token is one of the top 3, so it adds no fourth entry.
+        assert top[token] == lp and len(top) == 3
+        assert sorted(top.values(), reverse=True) == pytest.approx(reference[i].topk(3).values.tolist(), abs=1e-4)
     assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
     assert echoed.choices[0].text == STORY + resp.choices[0].text
 
@@ -242,31 +234,31 @@ def test_completion_logprobs_and_echo(cluster, model):
 # --- text: UTF-8, stop strings, usage -------------------------------------------------------------
 @pytest.mark.parametrize("messages", [EMOJIS, JAPANESE], ids=["emoji", "cjk"])
 def test_multi_byte_text_streams_byte_identical(cluster, model, messages):
-    async def stream(c):
-        chunks = await c.chat.completions.create(model=model.name, messages=messages, max_tokens=10, temperature=0,
-                                                 stream=True)
-        return [chunk.choices[0].delta.content or "" async for chunk in chunks if chunk.choices]
+    def streamed(c):
+        return astream(c.chat.completions, CHUNK_SCHEMA, model=model.name, messages=messages, max_tokens=10,
+                       temperature=0)
 
-    full, pieces = gather(cluster, [_chat_call(model, messages=messages, max_tokens=10, temperature=0), stream])
+    full, chunks = gather(cluster, [_chat_call(model, messages=messages, max_tokens=10, temperature=0), streamed])
     text = full.choices[0].message.content
     assert any(len(ch.encode()) > 2 for ch in text), text  # the model did write emoji / CJK
+    pieces = [c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]]
     assert "".join(pieces).encode() == text.encode()
     assert not any("\ufffd" in p for p in pieces[:-1])
 
 
 def test_stop_string_is_cut_and_the_request_aborted(cluster, client, model):
-    steps_before = wait_for_idle(cluster)["num_steps"]
+    steps_before = cluster.wait_for_idle()["num_steps"]
     # ignore_eos and 400 tokens: only the abort on the stop string ends this request early.
     full = chat(client, model, temperature=0, max_tokens=400, stop=["Paris", "zzz"], extra_body={"ignore_eos": True})
     assert full.choices[0].message.content == "The capital of France is "
     assert full.choices[0].finish_reason == "stop"
-    stats = wait_for_idle(cluster)
+    stats = cluster.wait_for_idle()
     assert stats["num_steps"] - steps_before < 100, stats  # aborted after a few steps, not 400
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
-    chunks = list(client.chat.completions.create(model=model.name, messages=CAPITAL, temperature=0, max_tokens=20,
-                                                 stop=" France", stream=True))
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "The capital of"
-    assert chunks[-1].choices[0].finish_reason == "stop"
+    chunks = stream(client.chat.completions, CHUNK_SCHEMA, model=model.name, messages=CAPITAL, temperature=0,
+                    max_tokens=20, stop=" France")
+    assert chat_text(chunks) == "The capital of"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
     kept = chat(client, model, temperature=0, max_tokens=20, stop=["Paris"],
                 extra_body={"include_stop_str_in_output": True})
     assert kept.choices[0].message.content == "The capital of France is Paris"
@@ -274,37 +266,41 @@ def test_stop_string_is_cut_and_the_request_aborted(cluster, client, model):
     assert length.choices[0].finish_reason == "length" and length.usage.completion_tokens == 3
 
 
-def test_usage_everywhere_and_cached_tokens(client, model):
+def test_usage_everywhere_and_cached_tokens(client, model, tokenizer):
     long_prompt = "The quick brown fox jumps over the lazy dog. " * 8  # several KV blocks
-    first = completion(client, model, prompt=long_prompt, max_tokens=2)
-    second = completion(client, model, prompt=long_prompt, max_tokens=2)
-    assert first.usage.total_tokens == first.usage.prompt_tokens + first.usage.completion_tokens
-    assert second.usage.prompt_tokens_details.cached_tokens >= 64  # whole blocks from the prefix cache
-    chunks = list(client.chat.completions.create(model=model.name, messages=CAPITAL, max_tokens=4, stream=True,
-                                                 stream_options={"include_usage": True}))
-    for chunk in chunks:
-        validate(chunk.model_dump(mode="json", exclude_unset=True), "CreateChatCompletionStreamResponse")
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
-    assert all(c.usage is None for c in chunks[:-1])
-    no_usage = list(client.chat.completions.create(model=model.name, messages=CAPITAL, max_tokens=2, stream=True))
-    assert all(c.usage is None and c.choices for c in no_usage)
+    first = completion(client, model, prompt=long_prompt, max_tokens=2, temperature=0)
+    second = completion(client, model, prompt=long_prompt, max_tokens=2, temperature=0)
+    num_prompt = len(tokenizer.encode(long_prompt))
+    assert (first.usage.prompt_tokens, first.usage.completion_tokens, first.usage.total_tokens) == (
+        num_prompt, 2, num_prompt + 2)
+    # Whole blocks from the prefix cache, short of the prompt's last token (which must be computed).
+    assert second.usage.prompt_tokens_details.cached_tokens == (num_prompt - 1) // BLOCK_SIZE * BLOCK_SIZE
+    chunks = stream(client.chat.completions, CHUNK_SCHEMA, model=model.name, messages=CAPITAL, max_tokens=4,
+                    temperature=0, stream_options={"include_usage": True})
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+    assert all("usage" not in c for c in chunks[:-1])  # optional: absent rather than null
+    no_usage = stream(client.chat.completions, CHUNK_SCHEMA, model=model.name, messages=CAPITAL, max_tokens=2)
+    assert all("usage" not in c and c["choices"] for c in no_usage)
 
 
 # --- other endpoints and refusals ----------------------------------------------------------------
-def test_tokenize_detokenize_version_health(cluster, model):
+def test_tokenize_detokenize_version_health(cluster, model, tokenizer):
     status, tokens = post_json(cluster, "/tokenize", {"prompt": "Hello world"})
-    assert status == 200 and tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 2048
+    assert status == 200
+    expected = tokenizer.encode("Hello world")
+    assert tokens == {"tokens": expected, "count": len(expected), "max_model_len": 2048}
     status, text = post_json(cluster, "/detokenize", {"tokens": tokens["tokens"]})
-    assert status == 200 and text["prompt"] == "Hello world"
+    assert (status, text) == (200, {"prompt": "Hello world"})
     status, chat_tokens = post_json(cluster, "/tokenize", {"model": model.name, "messages": CAPITAL})
-    assert status == 200 and chat_tokens["count"] > tokens["count"]
-    assert get_json(cluster, "/version")["version"]
+    expected = template_ids(tokenizer, CAPITAL)
+    assert status == 200 and (chat_tokens["tokens"], chat_tokens["count"]) == (expected, len(expected))
+    assert get_json(cluster, "/version") == {"version": metadata.version("spindle")}
     assert get_json(cluster, "/health") == {"status": "ok"}
 
 
 def test_annotation_fields_are_accepted(client, model):
-    resp = chat(client, model, max_tokens=2, user="u-1", metadata={"team": "x"}, store=False)
-    assert resp.choices[0].finish_reason in ("length", "stop")
+    resp = chat(client, model, max_tokens=2, temperature=0, user="u-1", metadata={"team": "x"}, store=False)
+    assert resp.choices[0].finish_reason == "length" and resp.usage.completion_tokens == 2
 
 
 DOC_CASES = doc_cases()
@@ -321,18 +317,6 @@ def test_documented_bad_inputs(cluster, case):
 
 
 def test_server_still_serves_after_the_bad_inputs(cluster, client, model):
-    assert chat(client, model, max_tokens=2).usage.completion_tokens == 2
-    stats = wait_for_idle(cluster)
+    assert chat(client, model, max_tokens=2, temperature=0).usage.completion_tokens == 2
+    stats = cluster.wait_for_idle()
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
-
-
-def wait_for_idle(cluster, timeout_s: float = 30.0) -> dict:
-    """Polls /stats until nothing runs or waits (or the timeout passes) and returns the last stats."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = get_json(cluster, "/stats")
-        if (stats["num_running_reqs"] == 0 and stats["num_waiting_reqs"] == 0) or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.1)

@@ -82,20 +82,21 @@ def _engine_failure(configure):
     return asyncio.run(scenario())
 
 
-@pytest.mark.parametrize("code, status, retry", [
-    ("resource_exhausted", 429, True), ("unavailable", 503, True), ("invalid_argument", 400, False),
-    ("internal", 500, False),
+@pytest.mark.parametrize("code, status, retry_after", [
+    ("resource_exhausted", 429, "1"), ("unavailable", 503, "5"), ("invalid_argument", 400, None),
+    ("internal", 500, None),
 ])
-def test_engine_refusals_map_to_http_status(code, status, retry):
+def test_engine_refusals_map_to_http_status(code, status, retry_after):
     got, headers, payload = _engine_failure(lambda e: setattr(e, "refuse", EngineError("no", code)))
     assert got == status
     validate(payload, "ErrorResponse")
-    assert ("Retry-After" in headers) == retry
+    assert headers.get("Retry-After") == retry_after  # seconds: a full queue drains sooner than a lost worker
+    assert payload["error"]["message"] == "no"
 
 
 def test_engine_not_ready_is_503_with_retry_after():
     status, headers, payload = _engine_failure(lambda e: setattr(e, "is_ready", False))
-    assert status == 503 and headers["Retry-After"]
+    assert status == 503 and headers["Retry-After"] == "5"
     validate(payload, "ErrorResponse")
 
 

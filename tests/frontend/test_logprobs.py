@@ -53,3 +53,20 @@ def test_chat_and_completion_shapes_clamp_minus_infinity():
     assert second["text_offset"][0] == 5 + len(first["tokens"][0])
     assert "".join(first["tokens"] + second["tokens"]) == "Hello world"
     assert all(token in top for token, top in zip(second["tokens"], second["top_logprobs"]))
+
+
+def test_completion_top_logprobs_add_the_sampled_token_when_it_is_not_among_them():
+    """With logprobs=k: k entries when the sampled token is one of the top k, else k + 1 (as vLLM and
+    OpenAI's legacy completions do)."""
+    tokenizer = make_tokenizer()
+    strings = TokenStrings(tokenizer)
+    hello, world, dot = tokenizer.encode("Hello world.", add_special_tokens=False)[:3]
+    top = [(hello, -0.5), (world, -1.0)]
+    in_top = TokenLogprobs(logprob=-1.0, rank=2, top_logprobs=top)
+    outside = TokenLogprobs(logprob=-3.0, rank=7, top_logprobs=top)  # sampled at a high temperature
+    out = CompletionLogprobs(strings).take([world, dot], [in_top, outside])
+    assert out["top_logprobs"] == [
+        {strings.text(hello): -0.5, strings.text(world): -1.0},
+        {strings.text(hello): -0.5, strings.text(world): -1.0, strings.text(dot): -3.0},
+    ]
+    assert out["token_logprobs"] == [-1.0, -3.0]

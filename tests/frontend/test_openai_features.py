@@ -6,9 +6,10 @@ import asyncio
 import pytest
 
 from services.frontend.errors import EngineError
-from tests.frontend.fakes import FakeEngineClient, app_client, make_tokenizer, read_sse
-from tests.frontend.test_serving import MULTI_BYTE, _validate_completion_chunk
-from tests.openai_schema import validate
+from services.frontend.logprobs import TokenStrings
+from tests.frontend.fakes import FakeEngineClient, app_client, fake_logprobs, make_tokenizer, read_sse
+from tests.frontend.test_serving import MULTI_BYTE
+from tests.openai_schema import COMPLETION_CHUNK, validate
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -47,7 +48,7 @@ def test_n_choices_stream_interleaves_tagged_chunks():
     chunks = _post(engine, COMPLETIONS, {"prompt": "Hi", "n": 2, "max_tokens": 100, "stream": True,
                                          "stream_options": {"include_usage": True}}, stream=True)
     for chunk in chunks[:-1]:
-        _validate_completion_chunk(chunk)
+        validate(chunk, COMPLETION_CHUNK)
     texts = {0: "", 1: ""}
     reasons = {}
     for chunk in chunks[:-1]:
@@ -79,11 +80,14 @@ def test_chat_logprobs_shape_and_bytes():
     validate(full, "CreateChatCompletionResponse")
     assert engine.requests[0].sampling_params.logprobs == 3
     content = full["choices"][0]["logprobs"]["content"]
-    assert len(content) == len(engine.reply_token_ids) + 1  # + EOS
-    for entry in content:
-        assert entry["logprob"] == -0.25 and len(entry["top_logprobs"]) == 3
-        assert [t["logprob"] for t in entry["top_logprobs"]] == sorted((t["logprob"] for t in entry["top_logprobs"]),
-                                                                      reverse=True)
+    sampled = engine.reply_token_ids + [engine.tokenizer.eos_token_id]
+    assert len(content) == len(sampled)
+    strings = TokenStrings(engine.tokenizer)
+    for entry, token_id in zip(content, sampled):
+        assert (entry["token"], entry["logprob"]) == (strings.text(token_id), -0.25)
+        # Chat lists exactly top_logprobs alternatives, best first, each with its bytes.
+        assert entry["top_logprobs"] == [{"token": strings.text(t), "logprob": v, "bytes": list(strings.bytes(t))}
+                                         for t, v in fake_logprobs(token_id, 3).top_logprobs]
     # The tokens' bytes (without EOS) add up to the text, though single tokens split characters.
     assert b"".join(bytes(e["bytes"]) for e in content[:-1]).decode() == MULTI_BYTE
     assert any("\ufffd" in e["token"] for e in content)
@@ -108,10 +112,19 @@ def test_completion_logprobs_shape():
     assert "".join(logprobs["tokens"][:-1]) == "Hello world."
     assert logprobs["text_offset"][0] == 0
     assert logprobs["text_offset"][1:] == [sum(map(len, logprobs["tokens"][:i])) for i in range(1, n)]
-    assert all(len(top) <= 3 and token in top for token, top in zip(logprobs["tokens"], logprobs["top_logprobs"]))
+    # The fake samples each token at rank 1, so the sampled token is one of the 2 alternatives and
+    # each position lists exactly those 2 (the k + 1 case is in tests/frontend/test_logprobs.py).
+    strings = TokenStrings(engine.tokenizer)
+    sampled = engine.reply_token_ids + [engine.tokenizer.eos_token_id]
+    assert logprobs["top_logprobs"] == [{strings.text(t): v for t, v in fake_logprobs(token_id, 2).top_logprobs}
+                                        for token_id in sampled]
+    assert all(len(top) == 2 for top in logprobs["top_logprobs"])
+    assert logprobs["token_logprobs"] == [-0.25] * n
 
     chunks = _post(engine, COMPLETIONS, {"prompt": "Hi", "logprobs": 2, "max_tokens": 100, "stream": True},
                    stream=True)
+    for chunk in chunks:
+        validate(chunk, COMPLETION_CHUNK)
     assert [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]] == logprobs["tokens"]
     assert [o for c in chunks for o in c["choices"][0]["logprobs"]["text_offset"]] == logprobs["text_offset"]
 
@@ -166,4 +179,4 @@ def test_engine_refusal_of_one_choice_is_the_request_status():
             return response.status, dict(response.headers)
 
     status, headers = asyncio.run(scenario())
-    assert status == 429 and "Retry-After" in headers
+    assert status == 429 and headers["Retry-After"] == "1"

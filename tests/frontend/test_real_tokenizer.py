@@ -10,8 +10,6 @@ from services.frontend.tokenizer import eos_token_ids, load_tokenizer, render_ch
 from tests.frontend.fakes import FakeEngineClient, read_sse
 from tests.openai_schema import validate
 
-pytestmark = pytest.mark.slow  # converts the default model on first use (about 30 s)
-
 
 @pytest.fixture(scope="module")
 def model():
@@ -27,9 +25,12 @@ def tokenizer(model):
 
 def test_chat_template_and_eos(model, tokenizer):
     ids = render_chat_prompt(tokenizer, [{"role": "user", "content": "What is the capital of France?"}])
-    text = tokenizer.decode(ids)
-    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
-    assert 2 in eos_token_ids(tokenizer, model.path)
+    # SmolLM2's template adds its default system turn and opens the assistant's.
+    assert tokenizer.decode(ids) == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+    assert len(ids) == 37
+    assert eos_token_ids(tokenizer, model.path) == (2,)  # <|im_end|>, also generation_config's
 
 
 @pytest.mark.parametrize("text", ["The capital of France is Paris.", "日本語 😀😀 👍🏽 café 中文", "a  b\n\n\tc"])
@@ -59,5 +60,14 @@ def test_chat_through_the_app(model, tokenizer):
 
     full, chunks = asyncio.run(scenario())
     validate(full, "CreateChatCompletionResponse")
+    for chunk in chunks:
+        validate(chunk, "CreateChatCompletionStreamResponse")
+    expected = tokenizer.apply_chat_template([{"role": "user", "content": "Capital of France?"}],
+                                             add_generation_prompt=True, tokenize=True)
+    expected = expected["input_ids"] if hasattr(expected, "keys") else expected
+    reply_ids = tokenizer.encode("Paris 🇫🇷 est la capitale.", add_special_tokens=False)
+    assert full["usage"] == {"prompt_tokens": len(expected), "completion_tokens": len(reply_ids) + 1,  # + EOS
+                             "total_tokens": len(expected) + len(reply_ids) + 1,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
     assert streamed == full["choices"][0]["message"]["content"] == "Paris 🇫🇷 est la capitale."

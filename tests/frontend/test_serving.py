@@ -2,24 +2,18 @@
 from __future__ import annotations
 
 import asyncio
+from importlib import metadata
 
+import jsonschema
 import pytest
 
 from tests.frontend.fakes import FakeEngineClient, app_client, make_tokenizer, read_sse
-from tests.openai_schema import validate
+from tests.openai_schema import COMPLETION_CHUNK, validate, validate_sse
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 USER = [{"role": "user", "content": "Say hello"}]
 MULTI_BYTE = "日本語 😀😀 👍🏽 café 中文"
-
-
-def _validate_completion_chunk(chunk: dict) -> None:
-    # The spec gives streamed completions the non-streamed schema, whose finish_reason is not
-    # nullable; OpenAI (and every client) sends null until the last chunk, so null is checked as such.
-    checked = {**chunk, "choices": [{**c, "finish_reason": c["finish_reason"] or "stop"} for c in chunk["choices"]]}
-    assert all(c["finish_reason"] in (None, "stop", "length") for c in chunk["choices"])
-    validate(checked, "CreateCompletionResponse")
 
 
 def _run(engine: FakeEngineClient, path: str, body: dict):
@@ -80,11 +74,63 @@ def test_completion_full_and_streamed_agree_and_validate(reply):
     assert full["object"] == "text_completion" and full["id"].startswith("cmpl-")
     assert full["choices"][0]["text"] == reply
     for chunk in chunks[:-1]:
-        _validate_completion_chunk(chunk)
+        validate(chunk, COMPLETION_CHUNK)
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 2) + ["stop"]
     validate(chunks[-1], "CreateCompletionResponse")  # the usage chunk
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == full["usage"]
     assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == reply
     assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+def _without(body: dict, path: tuple) -> dict:
+    """A deep copy of `body` without the field at `path` (keys and list indices)."""
+    import copy
+
+    broken = copy.deepcopy(body)
+    *parents, last = path
+    node = broken
+    for key in parents:
+        node = node[key]
+    del node[last]
+    return broken
+
+
+REQUIRED = [("created",), ("object",), ("id",), ("choices", 0, "index"), ("choices", 0, "finish_reason")]
+
+
+@pytest.mark.parametrize("path, schema", [(CHAT, "CreateChatCompletionResponse"),
+                                          (COMPLETIONS, "CreateCompletionResponse")])
+@pytest.mark.parametrize("field", REQUIRED, ids=[".".join(map(str, f)) for f in REQUIRED])
+def test_wire_body_missing_a_required_field_fails_validation(path, schema, field):
+    """Proves the schema checks can fail: a real response and stream chunk, one required field deleted."""
+    engine = FakeEngineClient(make_tokenizer(), "Hello world.")
+    body = {"messages": USER} if path == CHAT else {"prompt": "Hi"}
+    full, chunks = _run(engine, path, body)
+    chunk_schema = "CreateChatCompletionStreamResponse" if path == CHAT else COMPLETION_CHUNK
+    chunk = chunks[1]  # a content chunk, finish_reason null
+    validate(full, schema)
+    validate(chunk, chunk_schema)
+    with pytest.raises(jsonschema.ValidationError):
+        validate(_without(full, field), schema)
+    with pytest.raises(jsonschema.ValidationError):
+        validate(_without(chunk, field), chunk_schema)
+
+
+def test_sse_validation_reads_every_event_as_sent():
+    async def scenario():
+        async with app_client(FakeEngineClient(make_tokenizer(), "Hello world.")) as client:
+            response = await client.post(CHAT, json={"messages": USER, "stream": True})
+            return await response.read()
+
+    lines = asyncio.run(scenario()).split(b"\n")
+    chunks = validate_sse(lines, "CreateChatCompletionStreamResponse")
+    assert _chat_text(chunks) == "Hello world."
+    broken = [line.replace(b'"created":', b'"made":', 1) if i == 2 else line for i, line in enumerate(lines)]
+    assert broken != lines
+    with pytest.raises(jsonschema.ValidationError):
+        validate_sse(broken, "CreateChatCompletionStreamResponse")
+    with pytest.raises(AssertionError, match="DONE"):
+        validate_sse([line for line in lines if line != b"data: [DONE]"], "CreateChatCompletionStreamResponse")
 
 
 def test_completion_accepts_token_ids_and_defaults_to_16_tokens():
@@ -202,7 +248,7 @@ def test_models_health_and_version():
     assert [m["id"] for m in models["data"]] == ["fake-model"]
     assert model["max_model_len"] == 100  # the frontend's lower limit wins over the engine's 256
     assert health == 200 and unhealthy == 503
-    assert version["version"]
+    assert version == {"version": metadata.version("spindle")}
 
 
 def test_full_responses_ask_for_merged_outputs_unless_they_have_stop_strings():
