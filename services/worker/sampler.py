@@ -94,9 +94,11 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
         ranks = torch.arange(logits.shape[1], device=logits.device)[None, :]
         sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)
-    # Mass strictly before each token; the first token is always kept.
+    # Mass strictly before each token; the first token is always kept. A row without top-p (1) is
+    # never cut: its float32 running mass can reach 1.0 before the vocabulary's end.
     mass_before = probs.cumsum(dim=-1) - probs
-    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+    is_cut = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    sorted_logits = sorted_logits.masked_fill(is_cut, float("-inf"))
     return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
 
 

@@ -1,27 +1,33 @@
-"""The GPU attention backend's planning and launches, run on the CPU shim against the PyTorch
-backend, layer after layer on the same cache (split-K on when the grid would leave most SMs idle)."""
+"""The GPU attention backend's planning and launches, run on the CPU shim against the dense
+float64 reference: a mixed step (prefill, chunked prefill, decodes, a 600-key context), then a
+decode step that reads the K/V the first step wrote into the cache (split-K on when the grid
+would leave most SMs idle)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from services.worker.attention.cupy_backend import CupyAttentionBackend
-from services.worker.attention.torch_backend import TorchAttentionBackend
-from tests.kernels.paged_batch import TOLERANCES, make_batch
+from tests.kernels.paged_batch import TOLERANCES, check_batch, decode_step_after, make_batch
+
+REQUESTS = ((0, 4), (1, 1), (600, 1), (40, 6), (0, 33))
 
 
 @pytest.mark.parametrize("num_sms", (1000, 1), ids=("split", "no-split"))
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
-def test_cupy_backend_matches_torch_backend(shim, dtype, num_sms):
-    batch = make_batch(6, 2, 64, dtype, fused_qkv=True, requests=((0, 4), (1, 1), (600, 1), (40, 6)))
-    cupy_backend, torch_backend = CupyAttentionBackend(shim, num_sms=num_sms), TorchAttentionBackend()
-    cupy_cache, torch_cache = batch.kv_cache.clone(), batch.kv_cache.float().clone()
-    for layer in range(2):  # the second call reads what the first wrote
-        out = cupy_backend.forward(batch.query, batch.key, batch.value, cupy_cache,
-                                   cupy_backend.build_metadata(batch.common), 0.125)
-        expected = torch_backend.forward(batch.query.float(), batch.key.float(), batch.value.float(), torch_cache,
-                                         torch_backend.build_metadata(batch.common), 0.125)
-        torch.testing.assert_close(out.float(), expected, atol=TOLERANCES[dtype], rtol=TOLERANCES[dtype])
+@pytest.mark.parametrize("heads,head_dim,block_size", [((8, 2), 128, 32), ((6, 2), 64, 16)],
+                         ids=("gqa4-d128-bs32", "gqa3-d64-bs16"))
+def test_cupy_backend_matches_dense_reference(shim, dtype, num_sms, heads, head_dim, block_size):
+    batch = make_batch(*heads, head_dim, dtype, block_size=block_size, fused_qkv=True, requests=REQUESTS,
+                       reserve=1)
+    backend = CupyAttentionBackend(shim, num_sms=num_sms)
+    cache = batch.kv_cache.clone()
+    scale = head_dim**-0.5
+    out = backend.forward(batch.query, batch.key, batch.value, cache, backend.build_metadata(batch.common), scale)
+    check_batch(out, batch, scale, TOLERANCES[dtype])
+    step = decode_step_after(batch)  # reads every key the first step wrote
+    out = backend.forward(step.query, step.key, step.value, cache, backend.build_metadata(step.common), scale)
+    check_batch(out, step, scale, TOLERANCES[dtype])
     combines = [n for n in shim.launches if "combine" in n]
     assert bool(combines) == (num_sms == 1000)  # an idle GPU splits the 600-key context
     assert CupyAttentionBackend.supports(64) and not CupyAttentionBackend.supports(80)

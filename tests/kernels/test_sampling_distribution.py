@@ -1,13 +1,15 @@
 """Chi-square tests: over many seeded draws on a small vocabulary, the kernel's token frequencies
-follow the probabilities the PyTorch sampler's functions assign, for temperature, top-k, top-p
-and min-p; and a biased kernel is told apart (the test has power)."""
+follow the probabilities the transformers warpers assign (tests/oracles.py, in vLLM's order:
+temperature, min-p, top-k, top-p), for each knob alone and combined; and draws from the wrong
+distribution are told apart (the test has power)."""
 from __future__ import annotations
 
 import pytest
 import torch
+from transformers.generation.logits_process import MinPLogitsWarper, TopPLogitsWarper
 
 from services.worker.kernels import sampling_ops
-from services.worker.sampler import apply_min_p, apply_top_k_top_p
+from tests.oracles import RowKnobs, reference_probs as warper_probs
 
 NUM_DRAWS = 3000
 VOCAB = 12
@@ -25,13 +27,8 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 def reference_probs(logits, temperature, top_k=None, top_p=None, min_p=None) -> torch.Tensor:
-    x = logits[None] / temperature
-    if min_p is not None:
-        x = apply_min_p(x, torch.tensor([min_p]))
-    if top_k is not None or top_p is not None:
-        x = apply_top_k_top_p(x, None if top_k is None else torch.tensor([top_k]),
-                              None if top_p is None else torch.tensor([top_p]))
-    return torch.softmax(x, dim=-1)[0]
+    knobs = RowKnobs(temperature, top_k or 0, 1.0 if top_p is None else top_p, min_p or 0.0)
+    return warper_probs(logits[None], [knobs])[0]
 
 
 def kernel_counts(shim, logits, temperature, top_k=0, top_p=1.0, min_p=0.0, seed_base=0) -> torch.Tensor:
@@ -52,6 +49,8 @@ CASES = {
     "top_p": dict(temperature=1.0, top_p=0.8),
     "min_p": dict(temperature=1.0, min_p=0.15),
     "combined": dict(temperature=1.3, top_k=6, top_p=0.9, min_p=0.05),
+    # top-p over what min-p kept: 4 tokens; min-p after top-p (transformers generate's order): 5
+    "min_p_then_top_p": dict(temperature=1.0, top_p=0.8, min_p=0.1),
 }
 
 
@@ -68,3 +67,13 @@ def test_the_chi_square_test_rejects_the_wrong_distribution(shim):
     """Power check: draws at temperature 0.7 are rejected against temperature 1.0's probabilities."""
     counts = kernel_counts(shim, LOGITS, temperature=0.7, seed_base=10**6)
     assert chi_square_p_value(counts, reference_probs(LOGITS, 1.0)) < 1e-6
+
+
+def test_the_chi_square_test_sees_the_order_of_min_p_and_top_p(shim):
+    """Draws with min-p and top-p are rejected against transformers generate's order (min-p
+    last), whose kept set has one token more."""
+    counts = kernel_counts(shim, LOGITS, **CASES["min_p_then_top_p"], seed_base=2 * 10**6)
+    no_ids = torch.empty(1, 0, dtype=torch.long)
+    scores = TopPLogitsWarper(0.8)(no_ids, LOGITS[None].double())
+    min_p_last = torch.softmax(MinPLogitsWarper(0.1)(no_ids, scores), dim=-1)[0]
+    assert chi_square_p_value(counts, min_p_last) < 1e-6

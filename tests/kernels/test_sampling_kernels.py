@@ -1,6 +1,7 @@
 """The sampling kernels on the CPU shim: the draw bit for bit against a NumPy model of Philox and
-the exponential race, kept sets against the PyTorch sampler's top-k/top-p/min-p, the same token
-for a seed wherever its row sits, and the sparse logits processors against the PyTorch ones."""
+the exponential race; kept sets against the transformers warpers (tests/oracles.py), probed at
+both sides of every cut; the same token for a seed wherever its row sits; and the sparse logits
+processors against the PyTorch ones."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,9 +12,10 @@ from services.common.messages import SamplingParams
 from services.worker.cuda_sampler import CudaSampler, _sparse_entries
 from services.worker.kernels import sampling_ops
 from services.worker.logits_processors import apply_logits_processors
-from services.worker.sampler import TorchSampler, apply_min_p, apply_top_k_top_p
+from services.worker.sampler import TorchSampler
 from services.worker.sampling_metadata import build_sampling_metadata
-from tests.kernels.philox_reference import expected_draw, philox4x32_10
+from tests.kernels.philox_reference import MASK32, expected_draw, gumbel_noise, philox4x32_10
+from tests.oracles import RowKnobs, reference_kept
 
 
 def draw(shim, logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, offsets=None):
@@ -50,28 +52,133 @@ def test_draw_matches_the_numpy_model_bit_for_bit(shim, vocab_size):
         assert out[i] == expected_draw(logits[i].numpy(), 0.7, kept, int(seeds[i]), int(offsets[i]))
 
 
-@pytest.mark.parametrize("knob", ("top_k", "top_p", "min_p", "all"))
-@pytest.mark.parametrize("vocab_size", (300, 20000))
-def test_kept_set_matches_the_torch_sampler(shim, knob, vocab_size):
-    """With the kept set from sampler.py's functions, the NumPy model predicts every draw."""
-    gen = torch.Generator().manual_seed(7)
-    n, temperature = 8, 0.8
-    logits = torch.randn(n, vocab_size, generator=gen) * 3
-    k = torch.tensor([1, 2, 5, 17, 40, 100, vocab_size - 1, 3])[:n]
-    p = torch.tensor([0.05, 0.3, 0.5, 0.7, 0.9, 0.95, 0.99, 0.6])
-    mp = torch.tensor([0.0, 0.01, 0.05, 0.1, 0.2, 0.5, 0.9, 0.3])
-    use_k, use_p, use_mp = knob in ("top_k", "all"), knob in ("top_p", "all"), knob in ("min_p", "all")
-    masked = logits / temperature
-    if use_mp:
-        masked = apply_min_p(masked, mp)
-    masked = apply_top_k_top_p(masked, k if use_k else None, p if use_p else None) if use_k or use_p else masked
-    kept = torch.isfinite(masked).numpy()
-    seeds = torch.arange(n, dtype=torch.int64) * 1000 + 3
-    out = draw(shim, logits, temperature, k.int() if use_k else 0, p if use_p else 1.0, mp if use_mp else 0.0,
-               seeds=seeds)
-    for i in range(n):
-        assert kept[i, out[i]]
-        assert out[i] == expected_draw(logits[i].numpy(), temperature, kept[i], int(seeds[i]), 0)
+K = RowKnobs
+# Per-row knobs, off values among them (top_k 0 or -1; top_p 1; min_p 0). Cuts are kept where the
+# weakest kept token is not too rare, so the boundary probes below find their offsets quickly.
+KERNEL_BATCHES = {
+    "top_k": [K(0.8, 1), K(1.0, 5), K(1.3, 40), K(1.0, 0), K(0.9, 60), K(2.0, -1), K(1.0, 2), K(0.7, 17)],
+    "top_p": [K(0.7, top_p=0.5), K(1.0, top_p=0.6), K(1.0), K(0.8, top_p=0.05), K(1.2, top_p=0.4),
+              K(1.0, top_p=0.3), K(0.6, top_p=0.9), K(0.9, top_p=0.7)],
+    "min_p": [K(1.0, min_p=0.1), K(0.7, min_p=0.01), K(1.5, min_p=0.5), K(1.0), K(2.0, min_p=0.05),
+              K(1.0, min_p=0.9), K(0.9, min_p=0.02), K(1.2, min_p=0.2)],
+    "all": [K(1.3, 50, 0.9, 0.05), K(0.8, 0, 0.6, 0.0), K(0.5, 20, 1.0, 0.1), K(2.0, 0, 0.3, 0.02),
+            K(1.0, 7, 0.8, 0.0), K(1.5, 0, 1.0, 0.3), K(1.1, 3, 0.05, 0.0), K(1.0, 100, 0.97, 0.01)],
+}
+
+
+def _gumbel(seed: int, offsets: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """gumbel_noise for many offsets at a few tokens: [len(offsets), len(tokens)]."""
+    n_off, n_tok = len(offsets), len(tokens)
+    groups = np.tile((tokens // 4).astype(np.uint64), n_off)
+    offs = np.repeat(offsets.astype(np.uint64), n_tok)
+    words = philox4x32_10([groups, offs & np.uint64(MASK32), offs >> np.uint64(32), np.zeros_like(groups)],
+                          [seed & MASK32, seed >> 32])
+    bits = words[np.tile(tokens % 4, n_off), np.arange(len(groups))]
+    u = ((bits >> 8).astype(np.float32) + np.float32(0.5)) * np.float32(2.0**-24)
+    with np.errstate(divide="ignore"):  # u rounds to 1 for the top bit patterns: +inf, as in the model
+        return (-np.log(-np.log(u))).reshape(n_off, n_tok)
+
+
+def _offset_where_wins(row: np.ndarray, temperature: float, candidates: np.ndarray, target: int, seed: int) -> int:
+    """The first offset whose draw among `candidates` is `target`."""
+    keys_base = row[candidates].astype(np.float32) * (np.float32(1.0) / np.float32(temperature))
+    for start in range(0, 16384, 512):
+        offsets = np.arange(start, start + 512)
+        wins = candidates[np.argmax(keys_base + _gumbel(seed, offsets, candidates), axis=1)] == target
+        if wins.any():
+            return int(offsets[np.argmax(wins)])
+    raise AssertionError(f"no offset below 16384 draws token {target}: pick other test data")
+
+
+def probe_plan(logits: torch.Tensor, knobs, kept: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(row, seed, offset) draws: two plain ones per row, plus where the row cuts, one whose draw is
+    the weakest kept token and one that would draw the strongest cut token if it were kept. A
+    filter's kept set is a top slice of the row's order, so any other set misses one of the two."""
+    plan = []
+    for i, k in enumerate(knobs):
+        seed = 1000 * i + 3
+        plan += [(i, seed, 0), (i, seed, 1)]
+        row, keep = logits[i].numpy(), kept[i].numpy()
+        if keep.all():
+            continue
+        inside, outside = np.flatnonzero(keep), np.flatnonzero(~keep)
+        weakest, strongest_cut = inside[np.argmin(row[inside])], outside[np.argmax(row[outside])]
+        off_in = _offset_where_wins(row, k.temperature, inside, weakest, seed)
+        assert expected_draw(row, k.temperature, keep, seed, off_in) == weakest
+        wider = keep.copy()
+        wider[strongest_cut] = True
+        off_out = _offset_where_wins(row, k.temperature, np.flatnonzero(wider), strongest_cut, seed)
+        assert expected_draw(row, k.temperature, wider, seed, off_out) == strongest_cut
+        plan += [(i, seed, off_in), (i, seed, off_out)]
+    return plan
+
+
+def draw_plan(shim, logits, knobs, plan) -> list[int]:
+    rows = [r for r, _, _ in plan]
+
+    def column(values, dtype):
+        return torch.tensor(values, dtype=dtype)
+
+    out = torch.full((len(plan),), -1, dtype=torch.int64)
+    shim(sampling_ops.sample_rows(
+        out, logits[rows].contiguous(), column([knobs[r].temperature for r in rows], torch.float32),
+        column([knobs[r].top_k for r in rows], torch.int32), column([knobs[r].top_p for r in rows], torch.float32),
+        column([knobs[r].min_p for r in rows], torch.float32), column([s for _, s, _ in plan], torch.int64),
+        column([o for _, _, o in plan], torch.int64)))
+    return out.tolist()
+
+
+def check_draws(draws, logits, knobs, kept, plan) -> None:
+    """Raises AssertionError unless every draw is the NumPy model's draw over the `kept` set."""
+    wrong = [(r, o, d, expected_draw(logits[r].numpy(), knobs[r].temperature, kept[r].numpy(), s, o))
+             for d, (r, s, o) in zip(draws, plan)]
+    wrong = [w for w in wrong if w[2] != w[3]]
+    assert not wrong, "draws off the kept set (row, offset, drew, expected): " + str(wrong[:8])
+
+
+def _is_off(k: RowKnobs, vocab_size: int) -> bool:
+    return not (0 < k.top_k < vocab_size) and k.top_p >= 1 and k.min_p <= 0
+
+
+@pytest.mark.parametrize("batch", KERNEL_BATCHES)
+@pytest.mark.parametrize("vocab_size", (3000, 20000), ids=("128threads", "512threads"))
+def test_kept_set_matches_the_transformers_warpers(shim, batch, vocab_size):
+    """The kernel keeps exactly the warpers' set (vLLM's order: temperature, min-p, top-k, top-p):
+    the NumPy model over that set predicts every draw, boundary probes included."""
+    knobs = KERNEL_BATCHES[batch]
+    logits = torch.randn(len(knobs), vocab_size, generator=torch.Generator().manual_seed(vocab_size)) * 3
+    kept = reference_kept(logits, knobs)
+    plan = probe_plan(logits, knobs, kept)
+    draws = draw_plan(shim, logits, knobs, plan)
+    check_draws(draws, logits, knobs, kept, plan)
+    # the data exercise something: every row with a knob on cuts, the others keep every token
+    assert [bool(row.all()) for row in kept] == [_is_off(k, vocab_size) for k in knobs]
+
+
+def test_the_probes_tell_a_set_one_token_off_apart(shim):
+    """The same draws, checked against a set one token short or one token long at the cut, fail."""
+    knobs = KERNEL_BATCHES["all"]
+    logits = torch.randn(len(knobs), 3000, generator=torch.Generator().manual_seed(2)) * 3
+    kept = reference_kept(logits, knobs)
+    plan = probe_plan(logits, knobs, kept)
+    draws = draw_plan(shim, logits, knobs, plan)
+    check_draws(draws, logits, knobs, kept, plan)
+    for row in range(len(knobs)):  # each cutting row, its set one token short, then one long
+        if kept[row].all():
+            continue
+        short, long = kept.clone(), kept.clone()
+        short[row, logits[row].masked_fill(~kept[row], float("inf")).argmin()] = False  # weakest kept
+        long[row, logits[row].masked_fill(kept[row], float("-inf")).argmax()] = True  # strongest cut
+        for wrong in (short, long):
+            with pytest.raises(AssertionError, match="draws off the kept set"):
+                check_draws(draws, logits, knobs, wrong, plan)
+
+
+def test_noise_model_for_many_offsets_is_gumbel_noise():
+    tokens = np.array([0, 5, 6, 7, 998, 2999])
+    many = _gumbel(77, np.array([0, 3, 2**33 + 1]), tokens)
+    for j, offset in enumerate((0, 3, 2**33 + 1)):
+        assert np.array_equal(many[j], gumbel_noise(77, offset, 3000)[tokens])
 
 
 def test_a_seed_draws_the_same_token_wherever_its_row_sits(shim):
