@@ -12,6 +12,7 @@ import pytest
 
 from tests.e2e.cluster import SpindleCluster
 from tests.e2e.parity import assert_greedy_match
+from tests.openai_schema import acreate
 from tests.e2e.test_default_model import MAX_TOKENS, PROMPTS, chat_ids, model, references  # noqa: F401
 
 pytestmark = pytest.mark.gpu
@@ -42,9 +43,9 @@ def test_greedy_parity_on_cuda_concurrently(cuda_cluster, model, references):
         client = openai.AsyncOpenAI(base_url=cuda_cluster.base_url + "/v1", api_key="unused", max_retries=0,
                                     timeout=300)
         resps = await asyncio.gather(*[
-            client.chat.completions.create(model=model.name, messages=[{"role": "user", "content": p}],
-                                           max_tokens=MAX_TOKENS, temperature=0,
-                                           extra_body={"return_token_ids": True})
+            acreate(client.chat.completions, "CreateChatCompletionResponse", model=model.name,
+                    messages=[{"role": "user", "content": p}], max_tokens=MAX_TOKENS, temperature=0,
+                    extra_body={"return_token_ids": True})
             for p in PROMPTS])
         await client.close()
         return resps
