@@ -1,6 +1,8 @@
 """What the Kubernetes manifests rely on: graceful drain on SIGTERM and recovery from a lost worker."""
 from __future__ import annotations
 
+import contextlib
+import json
 import signal
 import threading
 import time
@@ -45,9 +47,10 @@ def _grpc_serving(addr: str) -> bool:
     return resp.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def _start_long_stream(cluster, results: dict) -> threading.Event:
-    """Streams a long request in a thread; the event is set once its first chunk arrived."""
-    first_chunk = threading.Event()
+def _start_long_stream(cluster, results: dict) -> tuple[threading.Event, threading.Event]:
+    """Streams a long request in a thread; returns events set once its first chunk arrived and once
+    it ended (with "text" or "error" in `results`)."""
+    first_chunk, done = threading.Event(), threading.Event()
 
     def run():
         try:
@@ -68,9 +71,10 @@ def _start_long_stream(cluster, results: dict) -> threading.Event:
             results["error"] = exc
         finally:
             first_chunk.set()
+            done.set()
 
     threading.Thread(target=run, daemon=True).start()
-    return first_chunk
+    return first_chunk, done
 
 
 def _assert_new_requests_refused(cluster) -> None:
@@ -80,22 +84,48 @@ def _assert_new_requests_refused(cluster) -> None:
     assert refused.value.status_code == 503
 
 
-def _wait_done(results: dict, timeout_s: float = 120) -> None:
+def _stats(cluster) -> dict:
+    with urllib.request.urlopen(cluster.base_url + "/stats", timeout=5) as resp:
+        return json.load(resp)
+
+
+def _wait_until(condition, what: str, timeout_s: float = 30) -> None:
     deadline = time.monotonic() + timeout_s
-    while "text" not in results and "error" not in results:
-        assert time.monotonic() < deadline, "the in-flight request hung"
-        time.sleep(0.1)
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} within {timeout_s:.0f} s")
+        time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def _worker_paused(cluster):
+    """Stops the worker process (SIGSTOP) so no step completes: a running request stays in flight, for
+    as long as the block lasts, however fast or slow the machine. The scheduler's event loop is not
+    blocked by it, so its health, stats and refusals still answer. Keep the block short: the
+    scheduler's gRPC keepalive (10 s, then 5 s for the answer) would end the stream to a worker that
+    stays stopped."""
+    worker = cluster.procs["worker"]
+    worker.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        worker.send_signal(signal.SIGCONT)
 
 
 def test_frontend_sigterm_drains_in_flight_and_refuses_new(cluster):
     results: dict = {}
-    assert _start_long_stream(cluster, results).wait(120)
-    cluster.procs["frontend"].send_signal(signal.SIGTERM)
-    time.sleep(0.5)
-    assert _health_status(cluster) == 503
-    assert not _grpc_serving(cluster.frontend_grpc_addr)
-    _assert_new_requests_refused(cluster)
-    _wait_done(results)
+    first_chunk, done = _start_long_stream(cluster, results)
+    assert first_chunk.wait(120) and "error" not in results, results
+    with _worker_paused(cluster):
+        # Paused once the first token is out: the stream cannot end before the worker resumes.
+        assert _stats(cluster)["num_running_reqs"] == 1
+        cluster.procs["frontend"].send_signal(signal.SIGTERM)
+        _wait_until(lambda: _health_status(cluster) == 503, "/health did not turn 503 on SIGTERM")
+        _wait_until(lambda: not _grpc_serving(cluster.frontend_grpc_addr), "gRPC health stayed SERVING")
+        _assert_new_requests_refused(cluster)
+        # The refusals came while the stream was still in flight, not after it ended.
+        assert not done.is_set() and _stats(cluster)["num_running_reqs"] == 1
+    assert done.wait(120), "the in-flight request hung"
     assert "error" not in results, results
     assert results["finish_reason"] == "length" and results["completion_tokens"] == LONG_MAX_TOKENS
     assert cluster.procs["frontend"].wait(30) == 0
@@ -103,28 +133,29 @@ def test_frontend_sigterm_drains_in_flight_and_refuses_new(cluster):
 
 def test_scheduler_sigterm_drains_in_flight_and_refuses_new(cluster):
     results: dict = {}
-    assert _start_long_stream(cluster, results).wait(120)
-    cluster.procs["scheduler"].send_signal(signal.SIGTERM)
-    time.sleep(0.5)
-    assert not _grpc_serving(cluster.scheduler_addr)
-    _assert_new_requests_refused(cluster)
-    _wait_done(results)
+    first_chunk, done = _start_long_stream(cluster, results)
+    assert first_chunk.wait(120) and "error" not in results, results
+    with _worker_paused(cluster):
+        assert _stats(cluster)["num_running_reqs"] == 1
+        cluster.procs["scheduler"].send_signal(signal.SIGTERM)
+        _wait_until(lambda: not _grpc_serving(cluster.scheduler_addr), "scheduler gRPC health stayed SERVING")
+        _assert_new_requests_refused(cluster)
+        assert not done.is_set() and _stats(cluster)["num_running_reqs"] == 1
+    assert done.wait(120), "the in-flight request hung"
     assert "error" not in results, results
-    assert results["completion_tokens"] == LONG_MAX_TOKENS
+    assert results["finish_reason"] == "length" and results["completion_tokens"] == LONG_MAX_TOKENS
     assert cluster.procs["scheduler"].wait(30) == 0
 
 
 def test_lost_worker_fails_requests_clearly_and_the_engine_recovers(cluster):
     results: dict = {}
-    assert _start_long_stream(cluster, results).wait(120)
+    first_chunk, done = _start_long_stream(cluster, results)
+    assert first_chunk.wait(120) and "error" not in results, results
     cluster.procs["worker"].kill()
-    _wait_done(results, timeout_s=30)
+    assert done.wait(30), "a request on a dead worker hung"
     assert "error" in results, "a request on a dead worker must fail, not complete"
     assert "worker" in str(results["error"]).lower()
-    deadline = time.monotonic() + 10
-    while _health_status(cluster) != 503:
-        assert time.monotonic() < deadline, "health did not turn NOT_SERVING"
-        time.sleep(0.2)
+    _wait_until(lambda: _health_status(cluster) == 503, "health did not turn NOT_SERVING", timeout_s=10)
     _assert_new_requests_refused(cluster)
 
     cluster.start_service("worker")
@@ -135,8 +166,6 @@ def test_lost_worker_fails_requests_clearly_and_the_engine_recovers(cluster):
     assert resp.choices[0].message.content == "The capital of France is Paris."
     # A worker lost while the engine is idle is noticed too, before a request finds out.
     cluster.procs["worker"].kill()
-    deadline = time.monotonic() + 10
-    while _health_status(cluster) != 503:
-        assert time.monotonic() < deadline, "an idle engine did not notice its worker died"
-        time.sleep(0.2)
+    _wait_until(lambda: _health_status(cluster) == 503, "an idle engine did not notice its worker died",
+                timeout_s=10)
     assert not _grpc_serving(cluster.scheduler_addr)

@@ -107,37 +107,78 @@ def test_tiny_model_matches_transformers_concurrently_with_chunking_and_preempti
     assert after["num_free_blocks"] == after["num_total_blocks"], after
 
 
+def _long_context_tiny_llama(path):
+    """The tiny Llama with room for a request that runs for thousands of steps (rotary positions are
+    computed, not weights, so only the config changes)."""
+    from transformers import AutoConfig
+
+    model_dir = build_tiny_model(path, "llama")
+    config = AutoConfig.from_pretrained(model_dir)
+    config.max_position_embeddings = 4096
+    config.save_pretrained(model_dir)
+    return model_dir
+
+
+async def _stats_until(cluster, predicate, what: str, timeout_s: float = 60) -> dict:
+    """Polls /stats until `predicate(stats)`; raises with the last stats once the deadline passed."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        stats = await asyncio.to_thread(_stats, cluster)
+        if predicate(stats):
+            return stats
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError(f"{what} within {timeout_s:.0f} s; last /stats: {stats}")
+        await asyncio.sleep(0.01)
+
+
 def test_bounded_waiting_queue_refuses_overflow_with_429(tmp_path):
-    model_dir = build_tiny_model(tmp_path / "tiny", "llama")
-    limit, num_requests = 2, 6
+    from services.frontend.errors import RETRY_AFTER_BUSY_S
+
+    model_dir = _long_context_tiny_llama(tmp_path / "tiny")
+    limit, num_overflow = 2, 3
+    # The running request takes thousands of steps (seconds); everything the test does while it runs
+    # takes a few round trips, so the queue stays full throughout.
+    long_tokens, short_tokens = 2000, 4
     cluster = SpindleCluster(tmp_path, env={"SPINDLE_MODEL": str(model_dir), "SPINDLE_MAX_NUM_SEQS": "1",
                                             "SPINDLE_MAX_NUM_WAITING_REQUESTS": str(limit)})
     cluster.start()
 
-    async def one(client, i):
+    def create(client, i: int, max_tokens: int):
+        return client.completions.create(model=model_dir.name, prompt=[5 + i] * 20, max_tokens=max_tokens,
+                                         temperature=0, extra_body={"ignore_eos": True})
+
+    async def refusal(client, i: int) -> tuple:
         try:
-            resp = await client.completions.with_raw_response.create(
-                model=model_dir.name, prompt=[5 + i] * 20, max_tokens=200, temperature=0,
-                extra_body={"ignore_eos": True})
-            return "ok", resp.parse().choices[0].finish_reason, asyncio.get_running_loop().time()
+            await create(client, i, short_tokens)
         except openai.APIStatusError as err:
-            return err.status_code, err.response.headers.get("retry-after"), asyncio.get_running_loop().time()
+            return err.status_code, err.code, err.response.headers.get("retry-after")
+        return ("admitted",)
+
+    def queue(stats: dict) -> tuple[int, int]:
+        return stats["num_running_reqs"], stats["num_waiting_reqs"]
 
     async def run():
-        client = openai.AsyncOpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        client = openai.AsyncOpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
         try:
-            return await asyncio.gather(*[one(client, i) for i in range(num_requests)])
+            running = asyncio.create_task(create(client, 0, long_tokens))
+            await _stats_until(cluster, lambda s: queue(s) == (1, 0), "the first request did not start running")
+            waiting = [asyncio.create_task(create(client, i, short_tokens)) for i in range(1, 1 + limit)]
+            await _stats_until(cluster, lambda s: queue(s) == (1, limit), "the waiting queue did not fill")
+            refusals = await asyncio.gather(*[refusal(client, 1 + limit + i) for i in range(num_overflow)])
+            # Refused at once: the admitted requests are all still there, none has finished.
+            queue_after_refusals = queue(await asyncio.to_thread(_stats, cluster))
+            admitted = [running, *waiting]
+            finished_before = [t.done() for t in admitted]
+            return refusals, queue_after_refusals, finished_before, [await t for t in admitted]
         finally:
             await client.close()
 
     try:
-        results = asyncio.run(run())
+        refusals, queue_after_refusals, finished_before, admitted = asyncio.run(run())
     finally:
         cluster.stop()
-    done = [r for r in results if r[0] == "ok"]
-    refused = [r for r in results if r[0] != "ok"]
-    # One request may already run when the others arrive: then limit + 1 complete.
-    assert limit <= len(done) <= limit + 1, results
-    assert all(r[1] == "length" for r in done)
-    assert all(r[0] == 429 and r[1] is not None for r in refused), refused
-    assert max(r[2] for r in refused) < min(r[2] for r in done), "refusals must come at once, not after waiting"
+    assert refusals == [(429, "rate_limit_exceeded", str(RETRY_AFTER_BUSY_S))] * num_overflow
+    assert queue_after_refusals == (1, limit)
+    assert finished_before == [False] * (1 + limit)
+    assert [(r.choices[0].finish_reason, r.usage.completion_tokens) for r in admitted] == \
+        [("length", long_tokens)] + [("length", short_tokens)] * limit

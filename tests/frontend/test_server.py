@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from contextlib import aclosing
 
 import aiohttp
 import grpc
@@ -30,8 +31,8 @@ def test_config_from_flags_and_environment(monkeypatch):
         config.http_port = 1  # frozen
 
 
-def _config(**fields) -> FrontendConfig:
-    return FrontendConfig(http_port=0, grpc_addr="127.0.0.1:0", shutdown_timeout_s=5.0, **fields)
+def _config(shutdown_timeout_s: float = 5.0, **fields) -> FrontendConfig:
+    return FrontendConfig(http_port=0, grpc_addr="127.0.0.1:0", shutdown_timeout_s=shutdown_timeout_s, **fields)
 
 
 async def _grpc_health(port: int) -> int:
@@ -40,29 +41,72 @@ async def _grpc_health(port: int) -> int:
         return reply.status
 
 
+async def _until(check, what: str, timeout_s: float = 10.0) -> None:
+    """Awaits `check()` until it is true; raises once the deadline has passed."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await check():
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError(f"{what} within {timeout_s:.0f} s")
+        await asyncio.sleep(0.01)
+
+
+class HeldEngineClient(FakeEngineClient):
+    """Sets `arrived` when a request reaches it, yields the first output, then holds the rest of the
+    reply until `release` is set: the request is in flight for exactly as long as the test says."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.arrived = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def generate(self, request, final_only=False):
+        self.arrived.set()
+        num_sent = 0
+        async with aclosing(super().generate(request, final_only)) as outputs:
+            async for output in outputs:
+                if num_sent == 1:
+                    await self.release.wait()
+                num_sent += 1
+                yield output
+
+
 def test_drain_lets_in_flight_requests_finish_and_refuses_new_ones():
     async def scenario():
-        engine = FakeEngineClient(make_tokenizer(), "word " * 20, step_delay_s=0.02)
-        frontend = FrontendServer(_config(), engine_client=engine, model=serving_model(engine.tokenizer))
+        engine = HeldEngineClient(make_tokenizer(), "word " * 20)
+        # A timeout far above the test's own length: the request is released, never timed out.
+        frontend = FrontendServer(_config(shutdown_timeout_s=120.0), engine_client=engine,
+                                  model=serving_model(engine.tokenizer))
         await frontend.start()
         base = f"http://127.0.0.1:{frontend.http_port}"
         async with aiohttp.ClientSession() as session:
-            assert (await session.get(f"{base}/health")).status == 200
-            await asyncio.sleep(0.05)  # the readiness follower's first poll
-            serving_before = await _grpc_health(frontend.grpc_port)
-            in_flight = await session.post(f"{base}/v1/chat/completions", json=CHAT_BODY)
-            await in_flight.content.readline()
-            stopping = asyncio.create_task(frontend.stop())
-            await asyncio.sleep(0.05)
-            health_draining = (await session.get(f"{base}/health")).status
-            refused = await session.post(f"{base}/v1/chat/completions", json=CHAT_BODY)
-            body = await in_flight.read()
-            await stopping
-        return serving_before, health_draining, refused.status, body, engine
+            async def health_is(status: int) -> bool:
+                return (await session.get(f"{base}/health")).status == status
 
-    serving_before, health_draining, refused, body, engine = asyncio.run(scenario())
-    assert serving_before == health_pb2.HealthCheckResponse.SERVING
-    assert health_draining == 503 and refused == 503
+            async def grpc_health_is(status: int) -> bool:
+                return await _grpc_health(frontend.grpc_port) == status
+
+            assert await health_is(200)
+            # gRPC health starts NOT_SERVING; the readiness follower turns it SERVING.
+            await _until(lambda: grpc_health_is(health_pb2.HealthCheckResponse.SERVING), "gRPC health SERVING")
+            in_flight = await session.post(f"{base}/v1/chat/completions", json=CHAT_BODY)
+            await asyncio.wait_for(engine.arrived.wait(), 10)
+            first_line = await in_flight.content.readline()
+            stopping = asyncio.create_task(frontend.stop())
+            await _until(lambda: health_is(503), "/health 503 while draining")
+            await _until(lambda: grpc_health_is(health_pb2.HealthCheckResponse.NOT_SERVING),
+                         "gRPC health NOT_SERVING while draining")
+            refused = await session.post(f"{base}/v1/chat/completions", json=CHAT_BODY)
+            # The refusal came while the first request was held in flight, and never reached the engine.
+            held = (frontend.state.num_inflight, stopping.done(), len(engine.requests))
+            engine.release.set()
+            body = await in_flight.read()
+            await asyncio.wait_for(stopping, 10)
+        return first_line, refused.status, held, body, engine
+
+    first_line, refused, held, body, engine = asyncio.run(scenario())
+    assert first_line.startswith(b"data: {")
+    assert refused == 503
+    assert held == (1, False, 1)
     assert body.endswith(b"data: [DONE]\n\n") and b'"finish_reason":"stop"' in body
     assert engine.aborted == []
 
@@ -78,9 +122,16 @@ def test_sigterm_drains_and_serve_returns_zero():
 
     async def scenario():
         frontend = FrontendServer(_config(), engine_client=engine, model=serving_model(engine.tokenizer))
+        started = asyncio.Event()
+        start = frontend.start
+
+        async def start_then_signal() -> None:
+            await start()
+            started.set()
+
+        frontend.start = start_then_signal
         task = asyncio.create_task(serve(frontend.config, frontend))
-        while frontend.grpc_port == 0 and not task.done():
-            await asyncio.sleep(0.02)
+        await asyncio.wait_for(started.wait(), 10)
         os.kill(os.getpid(), signal.SIGTERM)  # caught by the loop's handler, not the default one
         return await asyncio.wait_for(task, 10), frontend.state.is_draining
 

@@ -10,18 +10,17 @@ import json
 import secrets
 import shutil
 import subprocess
-import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.pb import engine_core_pb2, generate_pb2, generate_pb2_grpc
 from tests.e2e.cluster import SpindleCluster, free_port
 from tests.observability.otlp_receiver import SPAN_KIND_CLIENT, SPAN_KIND_SERVER, OtlpReceiver, ReceivedSpan
+from tests.observability.scrapes import ENGINE_COUNTERS, engine_counters, poll_until, scrape, value
 
 SERVICES = {"spindle-frontend", "spindle-scheduler", "spindle-worker"}
 PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -200,20 +199,21 @@ def test_startup_handshake_carries_context_in_grpc_metadata(cluster, receiver):
 
 
 # --- metrics -----------------------------------------------------------------------------------------
-def scrape(url: str) -> dict[str, tuple[str, dict]]:
-    """name -> (type, {sample name + labels: value}) from Prometheus text."""
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        assert resp.headers["Content-Type"].startswith("text/plain; version=0.0.4")
-        text = resp.read().decode()
-    return {family.name: (family.type, {(s.name, tuple(sorted(s.labels.items()))): s.value for s in family.samples})
-            for family in text_string_to_metric_families(text)}
+def frontend_in_step_with_scheduler(cluster, model_name: str) -> dict:
+    """A frontend scrape whose engine counters equal the scheduler's own, the engine being idle.
 
-
-def value(metrics: dict, family: str, sample: str, **labels) -> float:
-    _, samples = metrics[family]
-    matches = [v for (name, lbls), v in samples.items() if name == sample and labels.items() <= dict(lbls).items()]
-    assert len(matches) == 1, (sample, labels, samples)
-    return matches[0]
+    The frontend hears the engine's counters with each step's outputs and from a stats poll every
+    second, so a step that sends no outputs (the one telling the worker a request finished) reaches
+    it only with the next poll."""
+    scheduler_url = f"http://127.0.0.1:{cluster.metrics_ports['scheduler']}/metrics"
+    expected = engine_counters(scrape(scheduler_url), model_name)
+    assert None not in expected.values(), expected
+    frontend = poll_until(lambda: scrape(cluster.base_url + "/metrics"),
+                          lambda got: engine_counters(got, model_name) == expected,
+                          f"the frontend's engine counters did not reach the scheduler's {expected}")
+    # Still the scheduler's values: nothing ran meanwhile, so the frontend matched a settled engine.
+    assert engine_counters(scrape(scheduler_url), model_name) == expected
+    return frontend
 
 
 HISTOGRAMS = ("time_to_first_token_seconds", "inter_token_latency_seconds", "time_per_output_token_seconds",
@@ -222,15 +222,14 @@ HISTOGRAMS = ("time_to_first_token_seconds", "inter_token_latency_seconds", "tim
 
 
 def test_frontend_metrics_move_by_the_right_amounts(cluster, model_name):
-    url = cluster.base_url + "/metrics"
-    before = scrape(url)
+    before = frontend_in_step_with_scheduler(cluster, model_name)
     bodies = [("/v1/chat/completions", {"messages": PROMPT, "max_tokens": 5}),
               ("/v1/chat/completions", {"messages": PROMPT, "max_tokens": 5}),  # a prefix cache hit
               ("/v1/completions", {"prompt": "Paris is the capital of", "max_tokens": 3})]
     usages = []
     for path, body in bodies:
         usages.append(json.loads(post(cluster, path, {"model": model_name, "temperature": 0, **body}))["usage"])
-    after = scrape(url)
+    after = frontend_in_step_with_scheduler(cluster, model_name)
     lbl = {"model_name": model_name}
 
     def delta(family: str, sample: str, **labels) -> float:
@@ -268,15 +267,13 @@ def test_frontend_metrics_move_by_the_right_amounts(cluster, model_name):
 
 def test_scheduler_and_worker_metrics_ports(cluster, model_name):
     lbl = {"model_name": model_name}
-    time.sleep(1.2)  # the frontend's stats poll catches up with the scheduler's last step
-    frontend = scrape(cluster.base_url + "/metrics")
     scheduler = scrape(f"http://127.0.0.1:{cluster.metrics_ports['scheduler']}/metrics")
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
         assert scheduler[f"spindle:{name}"][0] == "gauge"
-    for name in ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "engine_steps"):
-        sample = f"spindle:{name}_total"
+    for name in ENGINE_COUNTERS:
         assert scheduler[f"spindle:{name}"][0] == "counter"
-        assert value(scheduler, f"spindle:{name}", sample, **lbl) == value(frontend, f"spindle:{name}", sample, **lbl)
+    # The frontend's copies of the engine counters catch up with the scheduler's (or this raises).
+    frontend_in_step_with_scheduler(cluster, model_name)
     assert value(scheduler, "spindle:engine_worker_alive", "spindle:engine_worker_alive") == 1
     assert "spindle:time_to_first_token_seconds" not in scheduler  # request latencies live in the frontend
 
@@ -312,15 +309,19 @@ def test_a_real_prometheus_scrapes_all_three(cluster, model_name, tmp_path):
         except OSError:
             return []
 
+    def scraped() -> tuple[dict, bool]:
+        return {r["metric"]["instance"]: r["value"][1] for r in query("up")}, bool(query("spindle:prompt_tokens_total"))
+
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            up = {r["metric"]["instance"]: r["value"][1] for r in query("up")}
-            if len(up) == 3 and set(up.values()) == {"1"} and query("spindle:prompt_tokens_total"):
-                break
-            time.sleep(0.5)
-        assert set(up) == set(targets) and set(up.values()) == {"1"}, (up, (tmp_path / "prometheus.log").read_text())
-        assert float(query("spindle:prompt_tokens_total")[0]["value"][1]) > 0
+        try:
+            poll_until(scraped, lambda got: got == ({t: "1" for t in targets}, True),
+                       "Prometheus did not scrape all three targets", timeout_s=60)
+        except TimeoutError as exc:
+            raise AssertionError((tmp_path / "prometheus.log").read_text()) from exc
+        # Nothing ran since the request above: Prometheus holds the frontend's current count.
+        prompt_tokens = value(scrape(cluster.base_url + "/metrics"), "spindle:prompt_tokens",
+                              "spindle:prompt_tokens_total", model_name=model_name)
+        assert [float(r["value"][1]) for r in query("spindle:prompt_tokens_total")] == [prompt_tokens]
         assert {r["metric"]["instance"] for r in query("spindle:num_requests_running")} == set(targets[:2])
         assert query("spindle:worker_steps_total")
         assert query('histogram_quantile(0.5, sum by (le) (spindle:time_to_first_token_seconds_bucket))')

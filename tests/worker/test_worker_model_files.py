@@ -3,7 +3,6 @@ the conversion lock."""
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -69,23 +68,43 @@ def test_default_model_answers_paris_through_the_worker(default_model):
 
 def test_gguf_path_resolves_to_a_cache_folder_named_after_the_file(tmp_path, monkeypatch):
     calls = []
+    converting, finish = threading.Event(), threading.Event()
 
-    def fake_convert(gguf_path: Path, out_dir: Path) -> None:
+    def held_convert(gguf_path: Path, out_dir: Path) -> None:
         calls.append(gguf_path)
-        time.sleep(0.2)  # long enough for the other thread to reach the lock
+        converting.set()
+        assert finish.wait(30), "the conversion was never let finish"
         (out_dir / "config.json").write_text("{}")
         (out_dir / model_files._DONE_MARKER).write_text("done")
 
-    monkeypatch.setattr(model_files, "convert_gguf", fake_convert)
+    # Each non-blocking lock attempt's result; a False is followed by the blocking wait on the lock.
+    attempts, refused = [], threading.Event()
+    real_try_lock = model_files._try_lock
+
+    def observed_try_lock(lock) -> bool:
+        got = real_try_lock(lock)
+        attempts.append(got)
+        if not got:
+            refused.set()
+        return got
+
+    monkeypatch.setattr(model_files, "convert_gguf", held_convert)
+    monkeypatch.setattr(model_files, "_try_lock", observed_try_lock)
     gguf = tmp_path / "tiny-model.Q8_0.gguf"
     gguf.write_bytes(b"GGUF")
     results = []
     threads = [threading.Thread(target=lambda: results.append(resolve_model(str(gguf), tmp_path / "cache")))
                for _ in range(2)]
+    threads[0].start()
+    assert converting.wait(30), "the first caller never started converting"
+    # The first caller holds the lock inside the conversion: the second finds it taken and waits.
+    threads[1].start()
+    assert refused.wait(30), "the second caller never reached the lock"
+    assert attempts == [True, False] and results == []
+    finish.set()
     for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+        t.join(30)
+        assert not t.is_alive()
     assert len(calls) == 1  # the second caller waited on the lock and found the folder done
     assert results[0] == results[1]
     assert results[0].name == "tiny-model.Q8_0"
