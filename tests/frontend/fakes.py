@@ -158,3 +158,12 @@ async def read_sse(response: Any) -> tuple[list[dict], list[bytes]]:
     assert all(e.startswith(b"data: ") for e in events), events
     assert events[-1] == b"data: [DONE]", events[-1]
     return [json.loads(e[len(b"data: "):]) for e in events[:-1]], events
+
+
+async def wait_until(predicate: Any, what: str, timeout_s: float = 30.0) -> None:
+    """Polls `predicate()` until it holds; raises TimeoutError naming `what` after `timeout_s`."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout_s} s")
+        await asyncio.sleep(0.01)

@@ -13,7 +13,7 @@ from services.common.pb import engine_core_pb2, generate_pb2, generate_pb2_grpc
 from services.frontend.errors import EngineError
 from services.frontend.grpc_service import SERVICE_NAME, GenerateServicer
 from services.frontend.serving_engine import OpenAIServing, ServerState
-from tests.frontend.fakes import FakeEngineClient, make_tokenizer, serving_model
+from tests.frontend.fakes import FakeEngineClient, make_tokenizer, serving_model, wait_until
 
 
 @asynccontextmanager
@@ -96,10 +96,7 @@ def test_client_cancel_aborts_the_request():
             call = stub.Generate(_request(text="x"))
             await call.read()
             call.cancel()
-            for _ in range(200):
-                if engine.aborted:
-                    break
-                await asyncio.sleep(0.01)
+            await wait_until(lambda: engine.aborted, "the request aborted")
             return engine, list(engine.aborted)
 
     engine, aborted = asyncio.run(scenario())

@@ -7,7 +7,7 @@ from importlib import metadata
 import jsonschema
 import pytest
 
-from tests.frontend.fakes import FakeEngineClient, app_client, make_tokenizer, read_sse
+from tests.frontend.fakes import FakeEngineClient, app_client, make_tokenizer, read_sse, wait_until
 from tests.openai_schema import COMPLETION_CHUNK, validate, validate_sse
 
 CHAT = "/v1/chat/completions"
@@ -179,10 +179,7 @@ def test_client_disconnect_mid_stream_aborts_the_request():
             await response.content.readline()  # the role chunk
             await response.content.readline()
             response.close()  # drop the connection
-            for _ in range(200):
-                if engine.aborted:
-                    break
-                await asyncio.sleep(0.01)
+            await wait_until(lambda: engine.aborted, "the request aborted")
             return engine, list(engine.aborted)  # before the test server shuts down
 
     engine, aborted = asyncio.run(scenario())
@@ -194,13 +191,9 @@ def test_client_disconnect_while_waiting_for_a_full_response_aborts():
         engine = FakeEngineClient(make_tokenizer(), "word " * 200, step_delay_s=0.01)
         async with app_client(engine) as client:
             task = asyncio.create_task(client.post(CHAT, json={"messages": USER}))
-            while not engine.requests:
-                await asyncio.sleep(0.01)
+            await wait_until(lambda: engine.requests, "the request reached the engine")
             task.cancel()
-            for _ in range(200):
-                if engine.aborted:
-                    break
-                await asyncio.sleep(0.01)
+            await wait_until(lambda: engine.aborted, "the request aborted")
             return engine, list(engine.aborted)  # before the test server shuts down
 
     engine, aborted = asyncio.run(scenario())
