@@ -35,6 +35,9 @@ logger = logging.getLogger(__name__)
 
 STATS_POLL_INTERVAL_S = 1.0
 MAX_RECONNECT_BACKOFF_S = 5.0
+# gRPC's own reconnect back-off grows to 120 s by default: after a long scheduler outage the frontend
+# would stay unready for up to two minutes after the scheduler is back. Capped like our retries.
+SCHEDULER_CHANNEL_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.max_reconnect_backoff_ms", int(MAX_RECONNECT_BACKOFF_S * 1000))]
 
 
 class EngineClient:
@@ -46,7 +49,7 @@ class EngineClient:
         self.observer: Any = None
         self._is_worker_alive = False
         # `interceptors`: the tracing interceptors when tracing is on (services/common/telemetry.py).
-        self._channel = grpc.aio.insecure_channel(scheduler_addr, options=CHANNEL_OPTIONS,
+        self._channel = grpc.aio.insecure_channel(scheduler_addr, options=SCHEDULER_CHANNEL_OPTIONS,
                                                   interceptors=list(interceptors) or None)
         self._stub = engine_core_pb2_grpc.EngineCoreServiceStub(self._channel)
         self._call = None
