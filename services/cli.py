@@ -36,13 +36,7 @@ def serve(argv: list[str]) -> int:
         env["SPINDLE_MODEL"] = args.model
     if args.dtype:
         env["SPINDLE_DTYPE"] = args.dtype
-    children: dict[str, subprocess.Popen] = {}
-    for name in SERVICES:
-        children[name] = subprocess.Popen([sys.executable, "-m", f"services.{name}"], env=env)
-    print(f"spindle: started {', '.join(f'{n} (pid {p.pid})' for n, p in children.items())}; "
-          f"HTTP on {env.get('SPINDLE_HTTP_HOST', '127.0.0.1')}:{env.get('SPINDLE_HTTP_PORT', '8000')}",
-          flush=True)
-
+    # Handlers first: a signal while the children start must stop them too, not leave them behind.
     stopping = False
 
     def stop(signum: int, frame: object) -> None:
@@ -51,6 +45,13 @@ def serve(argv: list[str]) -> int:
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
+    children: dict[str, subprocess.Popen] = {}
+    for name in SERVICES:
+        children[name] = subprocess.Popen([sys.executable, "-m", f"services.{name}"], env=env)
+    print(f"spindle: started {', '.join(f'{n} (pid {p.pid})' for n, p in children.items())}; "
+          f"HTTP on {env.get('SPINDLE_HTTP_HOST', '127.0.0.1')}:{env.get('SPINDLE_HTTP_PORT', '8000')}",
+          flush=True)
+
     exit_code = 0
     while not stopping:
         for name, child in children.items():
@@ -68,6 +69,7 @@ def serve(argv: list[str]) -> int:
                 child.wait(timeout=40)
             except subprocess.TimeoutExpired:
                 child.kill()
+                child.wait()  # reaped, so no zombie outlives serve
     return exit_code
 
 

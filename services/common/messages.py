@@ -231,7 +231,7 @@ class EngineInfo:
     model_name: str
     max_model_len: int
     block_size: int
-    num_gpu_blocks: int
+    num_blocks: int
     device: str
     dtype: str
     vocab_size: int

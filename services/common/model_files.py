@@ -9,6 +9,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -91,6 +92,26 @@ def resolve_model(model: str | None, cache_dir: str | os.PathLike | None = None)
     if not path.exists():
         raise FileNotFoundError(f"model {model!r}: no such file or folder")
     raise FileNotFoundError(f"model {model!r}: expected a Hugging Face folder or a .gguf file")
+
+
+def eos_token_ids(model_path: str | os.PathLike, tokenizer_eos_token_id: int | None = None) -> tuple[int, ...]:
+    """A model's EOS ids: the tokenizer's, then any `eos_token_id` (an int or a list) of the folder's
+    config.json and generation_config.json (chat models often add their end-of-turn token there).
+    The frontend stops on these and the worker bans them under min_tokens: one set for both."""
+    ids: list[int] = [] if tokenizer_eos_token_id is None else [int(tokenizer_eos_token_id)]
+    for name in ("config.json", "generation_config.json"):
+        path = Path(model_path) / name
+        if not path.is_file():
+            continue
+        try:
+            value = json.loads(path.read_text()).get("eos_token_id")
+        except (OSError, ValueError) as exc:
+            logger.warning("ignoring unreadable %s: %s", path, exc)
+            continue
+        for token_id in value if isinstance(value, list) else [value]:
+            if isinstance(token_id, int) and token_id not in ids:
+                ids.append(token_id)
+    return tuple(ids)
 
 
 def ensure_converted(gguf_path: Path, folder: Path) -> Path:

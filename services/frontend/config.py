@@ -37,10 +37,6 @@ class FrontendConfig:
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout_s}")
 
-    @property
-    def http_url(self) -> str:
-        return f"http://{self.http_host}:{self.http_port}"
-
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> FrontendConfig:
         return cls(

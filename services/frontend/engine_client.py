@@ -68,14 +68,6 @@ class EngineClient:
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(self._run_stream()), asyncio.create_task(self._poll_stats())]
 
-    async def wait_ready(self, timeout_s: float) -> bool:
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while not self.is_ready:
-            if asyncio.get_running_loop().time() > deadline:
-                return False
-            await asyncio.sleep(0.1)
-        return True
-
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()

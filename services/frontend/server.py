@@ -23,7 +23,7 @@ from services.frontend.config import FrontendConfig
 from services.frontend.grpc_service import SERVICE_NAME, GenerateServicer
 from services.frontend.observability import FrontendObserver, install
 from services.frontend.serving_engine import OpenAIServing, ServerState, ServingModel
-from services.frontend.tokenizer import eos_token_ids, load_tokenizer
+from services.frontend.tokenizer import load_tokenizer
 
 logger = logging.getLogger("spindle.frontend")
 
@@ -113,14 +113,14 @@ class FrontendServer:
 
 
 def _load_model(config: FrontendConfig) -> ServingModel:
-    from services.common.model_files import resolve_model  # converts the default model on first use
+    from services.common.model_files import eos_token_ids, resolve_model  # converts the default model on first use
 
     resolved = resolve_model(config.model, config.cache_dir)
     tokenizer = load_tokenizer(resolved.path)
     return ServingModel(
         name=config.served_model_name or resolved.name,
         tokenizer=tokenizer,
-        eos_token_ids=eos_token_ids(tokenizer, resolved.path),
+        eos_token_ids=eos_token_ids(resolved.path, tokenizer.eos_token_id),
         max_model_len=config.max_model_len,
     )
 

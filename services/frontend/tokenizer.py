@@ -1,14 +1,10 @@
-"""Loads the tokenizer and the facts about it the frontend needs (EOS ids, chat template)."""
+"""Loads the tokenizer and the facts about it the frontend needs (chat template)."""
 from __future__ import annotations
 
-import json
-import logging
 from pathlib import Path
 from typing import Any
 
 from services.frontend.errors import invalid_request
-
-logger = logging.getLogger(__name__)
 
 
 def load_tokenizer(model_path: str | Path) -> Any:
@@ -16,24 +12,6 @@ def load_tokenizer(model_path: str | Path) -> Any:
     from transformers import AutoTokenizer  # heavy import, kept out of module import time
 
     return AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
-
-
-def eos_token_ids(tokenizer: Any, model_path: str | Path | None = None) -> tuple[int, ...]:
-    """The tokenizer's EOS id plus any listed in generation_config.json (chat models often add one)."""
-    ids: list[int] = []
-    if tokenizer.eos_token_id is not None:
-        ids.append(int(tokenizer.eos_token_id))
-    config_file = Path(model_path) / "generation_config.json" if model_path is not None else None
-    if config_file is not None and config_file.is_file():
-        try:
-            value = json.loads(config_file.read_text()).get("eos_token_id")
-        except (OSError, ValueError) as exc:
-            logger.warning("ignoring unreadable %s: %s", config_file, exc)
-            value = None
-        for token_id in value if isinstance(value, list) else [value]:
-            if isinstance(token_id, int) and token_id not in ids:
-                ids.append(token_id)
-    return tuple(ids)
 
 
 def render_chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:

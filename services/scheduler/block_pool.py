@@ -69,9 +69,6 @@ class FreeKVCacheBlockQueue:
         first.prev_free = block
         self.num_free_blocks += 1
 
-    def contains(self, block: KVCacheBlock) -> bool:
-        return block.prev_free is not None
-
     def block_ids(self) -> list[int]:
         ids, block = [], self._head.next_free
         while block is not None and block is not self._tail:
@@ -150,11 +147,6 @@ class BlockPool:
                     self.free_block_queue.appendleft(block)
                 else:
                     self.free_block_queue.append(block)
-
-    def reset_prefix_cache(self) -> None:
-        for block in self.cached_block_hash_to_block.values():
-            block.block_hash = None
-        self.cached_block_hash_to_block.clear()
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:

@@ -79,7 +79,7 @@ class EngineCore:
             self._send(client_id, [error_output(req.request_id, why, "unavailable")])
             return
         self._req_client[req.request_id] = client_id
-        request = Request(req, client_id)
+        request = Request(req)
         if self.tracer is not None:
             self.tracer.on_add(request)
         self._pending_adds.append(request)
@@ -130,7 +130,7 @@ class EngineCore:
             model_name=spec.model_name,
             max_model_len=self.scheduler.max_model_len,
             block_size=spec.block_size,
-            num_gpu_blocks=spec.num_blocks,
+            num_blocks=spec.num_blocks,
             device=spec.device,
             dtype=spec.dtype,
             vocab_size=spec.vocab_size,

@@ -26,15 +26,14 @@ class Request:
 
     # Every step reads a few fields of every running request: slots keep them in one small object.
     __slots__ = (
-        "request_id", "client_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "arrival_time",
+        "request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "arrival_time",
         "priority", "cache_salt", "traceparent", "status", "all_token_ids", "num_prompt_tokens",
         "num_computed_tokens", "num_output_placeholders", "num_cached_tokens", "num_preemptions",
         "finish_reason", "stop_reason", "events", "block_hashes", "stop_check_token_ids", "max_num_tokens",
     )
 
-    def __init__(self, req: EngineCoreRequest, client_id: int = 0):
+    def __init__(self, req: EngineCoreRequest):
         self.request_id = req.request_id
-        self.client_id = client_id
         self.prompt_token_ids = list(req.prompt_token_ids)
         self.sampling_params: SamplingParams = req.sampling_params
         self.eos_token_ids = frozenset(req.eos_token_ids)
@@ -74,17 +73,6 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.all_token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[self.num_prompt_tokens :]
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status == RequestStatus.FINISHED
-
-    def append_output_token_ids(self, token_ids: list[int]) -> None:
-        self.all_token_ids.extend(token_ids)
 
     def record_event(self, event_type: RequestEventType) -> None:
         self.events.append(RequestEvent(event_type, time.time()))

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from typing import Iterator
 
 from services.scheduler.request import Request
 
@@ -31,9 +30,6 @@ class FCFSRequestQueue:
     def __len__(self) -> int:
         return len(self._queue)
 
-    def __iter__(self) -> Iterator[Request]:
-        return iter(self._queue)
-
 
 class PriorityRequestQueue:
     """Lowest (priority, arrival_time) first; a preempted request keeps its place by those keys."""
@@ -60,9 +56,6 @@ class PriorityRequestQueue:
 
     def __len__(self) -> int:
         return len(self._heap)
-
-    def __iter__(self) -> Iterator[Request]:
-        return (entry[3] for entry in sorted(self._heap))
 
 
 def create_request_queue(policy: str) -> FCFSRequestQueue | PriorityRequestQueue:

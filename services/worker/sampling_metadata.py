@@ -7,9 +7,6 @@ import torch
 
 from services.common.messages import SamplingParams
 
-_EPS = 1e-5
-
-
 @dataclass(frozen=True)
 class SamplingMetadata:
     """Row i describes logits row i. A None tensor means no row of the batch uses that knob."""
@@ -42,10 +39,6 @@ class PenaltyMetadata:
     output_token_ids: list[list[int]]
 
 
-def _is_greedy(p: SamplingParams) -> bool:
-    return p.temperature < _EPS or p.top_k == 1
-
-
 def build_sampling_metadata(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
@@ -56,7 +49,7 @@ def build_sampling_metadata(
     device: torch.device,
 ) -> SamplingMetadata:
     """Row i samples for a request with `params[i]`, `generators[i]` and its tokens so far."""
-    greedy = [_is_greedy(p) for p in params]
+    greedy = [p.is_greedy for p in params]
     all_greedy, all_random = all(greedy), not any(greedy)
     random_rows = [p for p, g in zip(params, greedy) if not g]
 

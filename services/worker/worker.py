@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from services.common.messages import KVCacheSpec, ModelRunnerOutput, SchedulerOutput
-from services.common.model_files import resolve_model
+from services.common.model_files import eos_token_ids, resolve_model
 from services.worker.attention.cpu_backend import CpuAttentionBackend
 from services.worker.attention.cpu_decode import PagedDecodeKernel
 from services.worker.attention.torch_backend import TorchAttentionBackend
@@ -34,19 +34,6 @@ def resolve_max_model_len(hf_config, requested: int | None) -> int:
     if window and getattr(hf_config, "use_sliding_window", True):
         limit = min(limit, int(window))
     return min(requested, limit) if requested else limit
-
-
-def eos_token_ids(hf_config, model_path) -> tuple[int, ...]:
-    from transformers import GenerationConfig
-
-    ids = getattr(hf_config, "eos_token_id", None)
-    try:
-        ids = GenerationConfig.from_pretrained(str(model_path)).eos_token_id or ids
-    except OSError:
-        pass
-    if ids is None:
-        return ()
-    return tuple(ids) if isinstance(ids, (list, tuple)) else (int(ids),)
 
 
 class Worker:
@@ -104,7 +91,7 @@ class Worker:
         )
         self.model_runner = ModelRunner(
             model, runner_config, self.device, backend, layout,
-            vocab_size=hf_config.vocab_size, eos_token_ids=eos_token_ids(hf_config, resolved.path), sampler=sampler,
+            vocab_size=hf_config.vocab_size, eos_token_ids=eos_token_ids(resolved.path), sampler=sampler,
         )
         self.kv_cache_spec = KVCacheSpec(
             block_size=self.config.block_size,

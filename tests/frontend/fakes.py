@@ -74,7 +74,7 @@ class FakeEngineClient:
         self.reply_token_ids = list(reply_token_ids if reply_token_ids is not None
                                     else tokenizer.encode(reply, add_special_tokens=False))
         self.info = EngineInfo(model_name=MODEL_NAME, max_model_len=max_model_len, block_size=16,
-                               num_gpu_blocks=64, device="cpu", dtype="float32", vocab_size=len(tokenizer),
+                               num_blocks=64, device="cpu", dtype="float32", vocab_size=len(tokenizer),
                                attention_backend="none")
         self.is_ready = True
         self.refuse: EngineError | None = None

@@ -5,8 +5,9 @@ import asyncio
 
 import pytest
 
+from services.common.model_files import eos_token_ids
 from services.frontend.detokenizer import IncrementalDetokenizer
-from services.frontend.tokenizer import eos_token_ids, load_tokenizer, render_chat_prompt
+from services.frontend.tokenizer import load_tokenizer, render_chat_prompt
 from tests.frontend.fakes import FakeEngineClient, read_sse
 from tests.openai_schema import validate
 
@@ -30,7 +31,7 @@ def test_chat_template_and_eos(model, tokenizer):
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
         "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
     assert len(ids) == 37
-    assert eos_token_ids(tokenizer, model.path) == (2,)  # <|im_end|>, also generation_config's
+    assert eos_token_ids(model.path, tokenizer.eos_token_id) == (2,)  # <|im_end|>, also generation_config's
 
 
 @pytest.mark.parametrize("text", ["The capital of France is Paris.", "日本語 😀😀 👍🏽 café 中文", "a  b\n\n\tc"])
@@ -51,7 +52,7 @@ def test_chat_through_the_app(model, tokenizer):
 
     async def scenario():
         engine = FakeEngineClient(tokenizer, "Paris 🇫🇷 est la capitale.")
-        serving = ServingModel(model.name, tokenizer, eos_token_ids(tokenizer, model.path))
+        serving = ServingModel(model.name, tokenizer, eos_token_ids(model.path, tokenizer.eos_token_id))
         async with TestClient(TestServer(create_app(engine, serving))) as client:
             body = {"model": model.name, "messages": [{"role": "user", "content": "Capital of France?"}]}
             full = await (await client.post("/v1/chat/completions", json=body)).json()
