@@ -106,8 +106,12 @@ class KVCacheManager:
         Returns None (and changes nothing) when the free blocks do not suffice.
         `computed_blocks` are prefix-cache hits, passed only when the request is first scheduled.
         """
+        held = self.req_to_blocks.get(request.request_id)
+        if not computed_blocks and held is not None and \
+                request.num_computed_tokens + num_new_tokens <= len(held) * self.block_size:
+            return []  # the usual decode step: the held blocks have room
         computed_blocks = computed_blocks or []
-        held = self.req_to_blocks.get(request.request_id, [])
+        held = held or []
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         num_required = self.num_blocks_for(num_computed + num_new_tokens)
         num_new_blocks = num_required - len(held) - len(computed_blocks)
@@ -128,10 +132,8 @@ class KVCacheManager:
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Registers the request's newly full blocks (up to `num_computed_tokens`) in the prefix cache."""
-        if not self.enable_caching:
-            return
         start = self.num_cached_blocks.get(request.request_id, 0)
-        if num_computed_tokens // self.block_size <= start:
+        if num_computed_tokens // self.block_size <= start or not self.enable_caching:
             return  # no block filled up since the last call (most steps)
         self.update_block_hashes(request)
         blocks = self.req_to_blocks.get(request.request_id, [])

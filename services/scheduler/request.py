@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import enum
-import sys
 import time
 
 from services.common.messages import (
@@ -59,12 +58,9 @@ class Request:
         self.record_event(RequestEventType.QUEUED)
         # Hashes of this request's full blocks, filled by the KV cache manager.
         self.block_hashes: list[int] = []
-        # Only these tokens, or reaching this length, can finish the request: the scheduler runs the
-        # stop checker only then (the scheduler lowers `max_num_tokens` to its max model length).
-        params = req.sampling_params
-        self.stop_check_token_ids = frozenset(params.stop_token_ids).union(
-            () if params.ignore_eos else self.eos_token_ids)
-        self.max_num_tokens = self.num_prompt_tokens + params.max_tokens if params.max_tokens else sys.maxsize
+        # Set by `stop_checker.init_stop_triggers` when the scheduler accepts the request.
+        self.stop_check_token_ids: frozenset[int] = frozenset()
+        self.max_num_tokens = 0
 
     @property
     def num_tokens(self) -> int:

@@ -12,6 +12,7 @@ and a step's output for a request that finished or was preempted meanwhile is dr
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from itertools import chain, repeat
 
 from services.common.messages import (
@@ -28,7 +29,7 @@ from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.request_queue import create_request_queue
 from services.scheduler.step_output import build_scheduler_output
-from services.scheduler.stop_checker import check_stop
+from services.scheduler.stop_checker import check_stop, init_stop_triggers, may_stop
 
 
 class RequestRejected(Exception):
@@ -68,7 +69,7 @@ class Scheduler:
         limit = self.config.max_num_waiting_requests
         if limit and len(self.waiting) >= limit:
             raise RequestRejected(f"the waiting queue is full ({limit} requests)", code="resource_exhausted")
-        request.max_num_tokens = min(request.max_num_tokens, self.max_model_len)
+        init_stop_triggers(request, self.max_model_len)
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -103,71 +104,50 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         kv = self.kv_cache_manager
-        # What each scheduled request gets, in parallel columns: running ones, then admitted ones.
-        running_reqs: list[Request] = []
-        running_ids: list[str] = []
-        running_num_computed: list[int] = []
-        running_num_new: list[int] = []
-        running_block_ids: list[list[int]] = []
+        # The step's decision, keyed by request id: tokens and new block ids of each scheduled request.
+        num_scheduled_tokens: dict[str, int] = {}
+        req_to_new_block_ids: dict[str, list[int]] = {}
+        scheduled_running: list[Request] = []
         preempted: list[Request] = []
 
         # Running requests first, in order.
         running = self.running
-        req_to_blocks = kv.req_to_blocks
-        block_size = self.block_size
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            num_computed = request.num_computed_tokens
             num_placeholders = request.num_output_placeholders
             num_tokens = len(request.all_token_ids) + num_placeholders
-            num_new = num_tokens - num_computed
-            if num_new > budget:
-                num_new = budget
+            num_new = min(num_tokens - request.num_computed_tokens, budget)
             if num_new <= 0 or (num_placeholders and num_tokens >= request.max_num_tokens):
                 i += 1  # caught up, or the step in flight samples its last token
                 continue
-            held = req_to_blocks.get(request.request_id)
-            if held is not None and num_computed + num_new <= len(held) * block_size:
-                block_ids = []  # the usual decode step: the held blocks have room
-            else:
-                while True:
-                    block_ids = kv.allocate_slots(request, num_new)
-                    if block_ids is not None:
-                        break
-                    victim = self._pick_victim()
-                    if running.index(victim) < i:  # only under the priority policy
-                        i -= 1
-                    running.remove(victim)
-                    for j, scheduled in enumerate(running_reqs):
-                        if scheduled is victim:
-                            del running_reqs[j], running_ids[j], running_num_computed[j], running_block_ids[j]
-                            budget += running_num_new.pop(j)
-                            break
-                    self._preempt(victim)
-                    preempted.append(victim)
-                    if victim is request:
-                        break
-                if block_ids is None:
-                    break  # the request preempted itself: nothing after it can fit either
-            running_reqs.append(request)
-            running_ids.append(request.request_id)
-            running_num_computed.append(num_computed)
-            running_num_new.append(num_new)
-            running_block_ids.append(block_ids)
+            while True:
+                block_ids = kv.allocate_slots(request, num_new)
+                if block_ids is not None:
+                    break
+                victim = self._pick_victim()
+                if running.index(victim) < i:  # only under the priority policy
+                    i -= 1
+                running.remove(victim)
+                if victim.request_id in num_scheduled_tokens:  # scheduled earlier in this step: undone
+                    budget += num_scheduled_tokens.pop(victim.request_id)
+                    del req_to_new_block_ids[victim.request_id]
+                    scheduled_running.remove(victim)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if block_ids is None:
+                break  # the request preempted itself: nothing after it can fit either
+            scheduled_running.append(request)
+            num_scheduled_tokens[request.request_id] = num_new
+            req_to_new_block_ids[request.request_id] = block_ids
             budget -= num_new
             i += 1
-            # Counted as computed now, so the next step can be scheduled before this one's output is
-            # back (a preempted request is reset by `_preempt`).
-            request.num_computed_tokens = num_computed + num_new
-            if num_new == num_tokens - num_computed:
-                request.num_output_placeholders = num_placeholders + 1  # this step samples a token
 
         # Then waiting requests, only if nobody was preempted this step.
         new_reqs: list[Request] = []
         resumed_reqs: list[Request] = []
-        admitted_num_new: dict[str, int] = {}
-        admitted_block_ids: dict[str, list[int]] = {}
         while not preempted and len(self.waiting) and budget > 0 and len(running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             computed_blocks, num_cached = [], 0
@@ -191,20 +171,26 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.record_event(RequestEventType.SCHEDULED)
             running.append(request)
-            admitted_num_new[request.request_id] = num_new
-            admitted_block_ids[request.request_id] = block_ids
+            num_scheduled_tokens[request.request_id] = num_new
+            req_to_new_block_ids[request.request_id] = block_ids
             budget -= num_new
 
-        output = build_scheduler_output(new_reqs, resumed_reqs, running_ids, running_num_computed, running_num_new,
-                                        running_block_ids, admitted_num_new, admitted_block_ids, preempted,
+        output = build_scheduler_output(new_reqs, resumed_reqs, scheduled_running, num_scheduled_tokens,
+                                        req_to_new_block_ids, {r.request_id for r in preempted},
                                         self.finished_req_ids, self.num_steps)
-        for request in chain(new_reqs, resumed_reqs):
-            request.num_computed_tokens += admitted_num_new[request.request_id]
-            if request.num_computed_tokens == len(request.all_token_ids):
-                request.num_output_placeholders = 1
+        self._update_after_schedule(chain(new_reqs, resumed_reqs, scheduled_running), num_scheduled_tokens)
         self.finished_req_ids = set()
         self.num_steps += 1
         return output
+
+    @staticmethod
+    def _update_after_schedule(scheduled: Iterable[Request], num_scheduled_tokens: dict[str, int]) -> None:
+        """Counts the step's tokens as computed, so the next step can be scheduled before this one's
+        output is back; a step that reaches a request's end samples a token, counted as a placeholder."""
+        for request in scheduled:
+            request.num_computed_tokens += num_scheduled_tokens[request.request_id]
+            if request.num_computed_tokens == len(request.all_token_ids) + request.num_output_placeholders:
+                request.num_output_placeholders += 1
 
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
                            ) -> EngineCoreOutputs:
@@ -217,10 +203,7 @@ class Scheduler:
         plain_req_ids: list[str] = []
         plain_token_ids: list[list[int]] = []
         requests = self.requests
-        kv = self.kv_cache_manager
-        # Registering full blocks in the prefix cache is needed only when a block filled up.
-        num_cached_blocks = kv.num_cached_blocks if kv.enable_caching else None
-        block_size = self.block_size
+        cache_blocks = self.kv_cache_manager.cache_blocks if self.kv_cache_manager.enable_caching else None
         running, finished = RequestStatus.RUNNING, RequestStatus.FINISHED
         logprobs = runner_output.logprobs
         if not logprobs or logprobs.count(None) == len(logprobs):
@@ -229,16 +212,14 @@ class Scheduler:
             request = requests.get(req_id)
             if request is None or request.status != running:
                 continue  # aborted or preempted while the step ran
-            if num_cached_blocks is not None and \
-                    request.num_computed_tokens // block_size > num_cached_blocks.get(req_id, 0):
-                kv.cache_blocks(request, request.num_computed_tokens)
+            if cache_blocks is not None:  # blocks the step filled join the prefix cache
+                cache_blocks(request, request.num_computed_tokens)
             new_token_ids = token_ids
             if len(token_ids) == 1:  # the usual decode step
                 request.num_output_placeholders -= 1
                 all_token_ids = request.all_token_ids
                 all_token_ids.append(token_ids[0])
-                # Only a stop token or a length limit can end a request; the full check runs only then.
-                if token_ids[0] in request.stop_check_token_ids or len(all_token_ids) >= request.max_num_tokens:
+                if may_stop(request, token_ids[0]):  # the full check runs only then
                     self._finish_if_stopped(request)
                 elif lp is None and not request.events:
                     plain_req_ids.append(req_id)
@@ -247,11 +228,9 @@ class Scheduler:
             elif token_ids:
                 request.num_output_placeholders -= 1
                 all_token_ids = request.all_token_ids
-                stop_check_token_ids = request.stop_check_token_ids
                 for i, token_id in enumerate(token_ids):
                     all_token_ids.append(token_id)
-                    if (token_id in stop_check_token_ids or len(all_token_ids) >= request.max_num_tokens) \
-                            and self._finish_if_stopped(request):
+                    if may_stop(request, token_id) and self._finish_if_stopped(request):
                         new_token_ids = token_ids[: i + 1]
                         break
             if request.events or request.status == finished or (lp is not None and new_token_ids):
