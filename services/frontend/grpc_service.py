@@ -6,12 +6,14 @@ interleaves the choices (told apart by `index`). Errors map to status codes: INV
 input), NOT_FOUND (unknown model, unknown request id for Abort), RESOURCE_EXHAUSTED (engine queue
 full), UNAVAILABLE (engine not ready, draining, engine down), CANCELLED (ended by Abort), INTERNAL.
 A client that cancels the call aborts its requests in the engine, as Abort does.
+
+`grpc_codec` converts requests and responses to and from the frontend's dataclasses; the public
+messages share no types with the internal protos, and nothing here touches those.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import logging
 import uuid
@@ -20,11 +22,9 @@ from typing import Any, AsyncIterator
 
 import grpc
 
-from services.common.codec import sampling_params_from_pb, token_logprobs_to_pb
-from services.common.messages import FinishReason
-from services.common.pb import engine_core_pb2, generate_pb2, generate_pb2_grpc
+from services.common.pb import generate_pb2, generate_pb2_grpc
 from services.frontend.errors import APIError, EngineError, from_engine_error, invalid_request
-from services.frontend.protocol import GenerationOptions, check_sampling_params
+from services.frontend.grpc_codec import generate_request_from_pb, generate_response_to_pb, model_info_to_pb
 from services.frontend.serving_engine import OpenAIServing
 from services.frontend.tokenizer import encode_prompt
 
@@ -38,7 +38,6 @@ _STATUS_CODES = {
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     503: grpc.StatusCode.UNAVAILABLE,
 }
-_FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
 
 
 class RequestAborted(Exception):
@@ -99,11 +98,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                            ) -> generate_pb2.GetModelInfoResponse:
         serving = self.serving
         serving.check_ready()
-        info = serving.engine_client.info
-        return generate_pb2.GetModelInfoResponse(
-            model_name=serving.model.name, max_model_len=serving.max_model_len, vocab_size=info.vocab_size,
-            eos_token_ids=list(serving.model.eos_token_ids), block_size=info.block_size, device=info.device,
-            dtype=info.dtype)
+        return model_info_to_pb(serving.model.name, serving.max_model_len, serving.model.eos_token_ids,
+                                serving.engine_client.info)
 
     @_as_status
     async def Abort(self, request: generate_pb2.AbortRequest, context: Any) -> generate_pb2.AbortResponse:
@@ -116,18 +112,14 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     async def _generate(self, request: generate_pb2.GenerateRequest) -> AsyncIterator[generate_pb2.GenerateResponse]:
         serving = self.serving
-        options = _options(request)
+        generate = generate_request_from_pb(request)  # validated first, as the HTTP API does
+        options = generate.options
         serving.check_model(options.model)
         serving.check_ready()
-        kind = request.WhichOneof("input")
-        if kind == "text":
-            if not request.text:
-                raise invalid_request("'text' must not be empty.", param="text")
-            prompt_token_ids = encode_prompt(serving.model.tokenizer, request.text)
-        elif kind == "token_ids":
-            prompt_token_ids = list(request.token_ids.token_ids)
+        if isinstance(generate.prompt, str):
+            prompt_token_ids = encode_prompt(serving.model.tokenizer, generate.prompt)
         else:
-            raise invalid_request("Set 'text' or 'token_ids'.", param="input")
+            prompt_token_ids = generate.prompt
         response_id = request.request_id or f"gen-{uuid.uuid4().hex}"
         if response_id in self._running:
             raise invalid_request(f"A request with id {response_id!r} is already running.", param="request_id")
@@ -139,17 +131,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 async with aclosing(serving.generate_choices(choices)) as deltas, \
                         aclosing(_until_set(deltas, aborted)) as until_aborted:
                     async for index, delta in until_aborted:
-                        yield generate_pb2.GenerateResponse(
-                            request_id=response_id,
-                            text=delta.text,
-                            token_ids=delta.token_ids,
-                            finish_reason=int(_FINISH_REASONS.get(delta.finish_reason, FinishReason.NONE)),
-                            num_prompt_tokens=len(prompt_token_ids),
-                            num_completion_tokens=choices[index].num_output_tokens,
-                            num_cached_tokens=delta.num_cached_tokens,
-                            index=index,
-                            logprobs=[token_logprobs_to_pb(lp) for lp in delta.logprobs],
-                        )
+                        yield generate_response_to_pb(response_id, index, delta, len(prompt_token_ids),
+                                                      choices[index].num_output_tokens)
         finally:
             self._running.pop(response_id, None)
 
@@ -183,29 +166,6 @@ async def _until_set(stream: AsyncIterator[Any], event: asyncio.Event) -> AsyncI
             pending.cancel()
             with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
                 await pending
-
-
-def _options(request: generate_pb2.GenerateRequest) -> GenerationOptions:
-    """Proto3 zero values mean "unset", as in the codec: max_tokens 0 is "as many as fit"."""
-    pb_params = request.sampling_params if request.HasField("sampling_params") else engine_core_pb2.SamplingParams()
-    params = sampling_params_from_pb(pb_params)
-    if params.top_k == -1:
-        params = dataclasses.replace(params, top_k=0)  # vLLM spells "disabled" as -1
-    check_sampling_params(params)
-    if params.max_tokens < 0:
-        raise invalid_request("'max_tokens' must be >= 0 (0: as many as fit).", param="max_tokens")
-    stop = tuple(request.stop)
-    if not all(stop):
-        raise invalid_request("Stop strings must not be empty.", param="stop")
-    return GenerationOptions(
-        model=request.model or None,
-        sampling_params=params,
-        max_tokens=params.max_tokens or None,
-        max_tokens_param="max_tokens",
-        stop=stop,
-        include_stop_str_in_output=request.include_stop_str_in_output,
-        priority=request.priority,
-    )
 
 
 def _describe(err: APIError) -> str:

@@ -184,7 +184,7 @@ def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(cluster, cl
 def test_grpc_generate_streams_the_same_greedy_text(cluster, client, model):
     import grpc
 
-    from services.common.pb import engine_core_pb2, generate_pb2, generate_pb2_grpc
+    from services.common.pb import generate_pb2, generate_pb2_grpc
 
     prompt = "The capital of France is"
     http = create(client.completions, "CreateCompletionResponse", model=model.name, prompt=prompt, max_tokens=8,
@@ -192,11 +192,11 @@ def test_grpc_generate_streams_the_same_greedy_text(cluster, client, model):
     with grpc.insecure_channel(cluster.frontend_grpc_addr) as channel:
         stub = generate_pb2_grpc.GenerateServiceStub(channel)
         request = generate_pb2.GenerateRequest(
-            text=prompt, sampling_params=engine_core_pb2.SamplingParams(temperature=0, max_tokens=8))
+            text=prompt, sampling_params=generate_pb2.GenerateRequest.SamplingParams(temperature=0, max_tokens=8))
         responses = list(stub.Generate(request, timeout=60))
     assert "".join(r.text for r in responses) == http.choices[0].text
     assert [t for r in responses for t in r.token_ids] == http.choices[0].token_ids
-    assert responses[-1].finish_reason == engine_core_pb2.FINISH_REASON_LENGTH
+    assert responses[-1].finish_reason == generate_pb2.GenerateResponse.FINISH_REASON_LENGTH
     assert sum(len(r.token_ids) for r in responses) == 8
 
 

@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from transformers import AutoTokenizer
 
 from services.common.model_files import resolve_model
-from services.common.pb import engine_core_pb2, generate_pb2, generate_pb2_grpc
+from services.common.pb import generate_pb2, generate_pb2_grpc
 from tests.e2e.cluster import SpindleCluster
 from tests.e2e.openai_calls import post_json
 from tests.frontend.bad_inputs import GRPC_CASES, doc_cases, param_of_grpc_details
@@ -33,6 +33,7 @@ from tests.openai_schema import validate
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "The capital of France is"
 LONG = dict(max_tokens=1000, ignore_eos=True)  # runs until aborted
+FINISH = generate_pb2.GenerateResponse.FinishReason
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +91,8 @@ def http_completion(cluster, **fields) -> dict:
 
 def generate_request(**fields) -> generate_pb2.GenerateRequest:
     params = fields.pop("params", {})
-    return generate_pb2.GenerateRequest(sampling_params=engine_core_pb2.SamplingParams(**params), **fields)
+    return generate_pb2.GenerateRequest(sampling_params=generate_pb2.GenerateRequest.SamplingParams(**params),
+                                        **fields)
 
 
 # --- gRPC with the generated stubs ---------------------------------------------------------------
@@ -113,13 +115,15 @@ def test_generated_stubs_client(cluster, stub):
 
     by_text = list(stub.Generate(generate_request(text=PROMPT, params={"temperature": 0, "max_tokens": 8}),
                                  timeout=120))
-    by_ids = list(stub.Generate(generate_request(token_ids=engine_core_pb2.TokenIds(token_ids=tokens.token_ids),
-                                                 params={"temperature": 0, "max_tokens": 8}), timeout=120))
+    token_ids = generate_pb2.GenerateRequest.TokenIds(token_ids=tokens.token_ids)
+    by_ids = list(stub.Generate(generate_request(token_ids=token_ids, params={"temperature": 0, "max_tokens": 8}),
+                                timeout=120))
     text = "".join(r.text for r in by_text)
     http = http_completion(cluster, max_tokens=8)["choices"][0]
     assert text == "".join(r.text for r in by_ids) == http["text"]
     assert [t for r in by_text for t in r.token_ids] == [t for r in by_ids for t in r.token_ids] == http["token_ids"]
-    assert by_text[-1].finish_reason == engine_core_pb2.FINISH_REASON_LENGTH
+    assert by_text[-1].finish_reason == FINISH.FINISH_REASON_LENGTH
+    assert [r.finish_reason for r in by_text[:-1]] == [FINISH.FINISH_REASON_UNSPECIFIED] * (len(by_text) - 1)
     assert by_text[-1].num_prompt_tokens == len(tokens.token_ids) and by_text[-1].num_completion_tokens == 8
 
     stop = text[len(text) // 2:len(text) // 2 + 3]  # greedy again, so the text stops just before this
@@ -128,7 +132,7 @@ def test_generated_stubs_client(cluster, stub):
     for index in (0, 1):
         mine = [r for r in choices if r.index == index]
         assert "".join(r.text for r in mine) == text[:text.index(stop)]
-        assert mine[-1].finish_reason == engine_core_pb2.FINISH_REASON_STOP
+        assert mine[-1].finish_reason == FINISH.FINISH_REASON_STOP
         for r in mine:
             assert len(r.logprobs) == len(r.token_ids)
             for lp, token_id in zip(r.logprobs, r.token_ids):
@@ -161,7 +165,11 @@ def test_reflection_discovers_and_calls_the_service(cluster):
             return rpc(request_class(**fields), timeout=120)
 
         assert call("GetModelInfo", {}).model_name == MODEL
-        params_class = message_factory.GetMessageClass(pool.FindMessageTypeByName("spindle.v1.SamplingParams"))
+        # The service's file is self-contained: reflection serves no internal proto along with it.
+        assert [d.name for d in pool.FindFileContainingSymbol(service.full_name).dependencies] == []
+        params_type = methods["Generate"].input_type.fields_by_name["sampling_params"].message_type
+        assert params_type.full_name == "spindle.v1.GenerateRequest.SamplingParams"
+        params_class = message_factory.GetMessageClass(params_type)
         responses = list(call("Generate", {"text": PROMPT, "sampling_params": params_class(temperature=0,
                                                                                           max_tokens=4)}, True))
     http = http_completion(cluster, max_tokens=4)["choices"][0]

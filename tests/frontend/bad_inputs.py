@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.common.pb import engine_core_pb2, generate_pb2
+from services.common.pb import generate_pb2
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 CHAT, COMPLETIONS, TOKENIZE, DETOKENIZE = "/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"
@@ -146,7 +146,7 @@ HTTP_CASES: dict[str, tuple[str, Any]] = {
 
 def _generate(**fields: Any) -> generate_pb2.GenerateRequest:
     params = fields.pop("params", {})
-    return generate_pb2.GenerateRequest(sampling_params=engine_core_pb2.SamplingParams(**params), **fields)
+    return generate_pb2.GenerateRequest(sampling_params=generate_pb2.GenerateRequest.SamplingParams(**params), **fields)
 
 
 # case -> (RPC name, request)
@@ -160,7 +160,8 @@ GRPC_CASES: dict[str, tuple[str, Any]] = {
     "grpc-logprobs-high": ("Generate", _generate(text="x", params={"logprobs": 21})),
     "grpc-prompt-logprobs": ("Generate", _generate(text="x", params={"prompt_logprobs": 1})),
     "grpc-stop-empty": ("Generate", _generate(text="x", stop=[""])),
-    "grpc-token-outside-vocab": ("Generate", _generate(token_ids=engine_core_pb2.TokenIds(token_ids=[10**6]))),
+    "grpc-token-outside-vocab": ("Generate", _generate(
+        token_ids=generate_pb2.GenerateRequest.TokenIds(token_ids=[10**6]))),
     "grpc-unknown-model": ("Generate", _generate(text="x", model="other")),
     "grpc-tokenize-unknown-model": ("Tokenize", generate_pb2.TokenizeRequest(text="x", model="other")),
     "grpc-abort-unknown-id": ("Abort", generate_pb2.AbortRequest(request_id="no-such-request")),

@@ -8,12 +8,14 @@ import grpc
 import pytest
 
 from services.common.grpc_server import GrpcServer
-from services.common.messages import FinishReason
-from services.common.pb import engine_core_pb2, generate_pb2, generate_pb2_grpc
+from services.common.pb import generate_pb2, generate_pb2_grpc
 from services.frontend.errors import EngineError
 from services.frontend.grpc_service import SERVICE_NAME, GenerateServicer
 from services.frontend.serving_engine import OpenAIServing, ServerState
 from tests.frontend.fakes import FakeEngineClient, make_tokenizer, serving_model, wait_until
+
+STOP = generate_pb2.GenerateResponse.FINISH_REASON_STOP
+UNSPECIFIED = generate_pb2.GenerateResponse.FINISH_REASON_UNSPECIFIED
 
 
 @asynccontextmanager
@@ -31,7 +33,7 @@ async def grpc_stub(engine: FakeEngineClient):
 
 def _request(**fields) -> generate_pb2.GenerateRequest:
     params = fields.pop("params", {})
-    return generate_pb2.GenerateRequest(sampling_params=engine_core_pb2.SamplingParams(**params), **fields)
+    return generate_pb2.GenerateRequest(sampling_params=generate_pb2.GenerateRequest.SamplingParams(**params), **fields)
 
 
 def _call(engine: FakeEngineClient, request: generate_pb2.GenerateRequest):
@@ -48,8 +50,8 @@ def test_text_input_streams_text_and_finishes(reply):
     responses = _call(engine, _request(request_id="mine", text="Say hello", stop=["zzz"], params={"max_tokens": 50}))
     assert "".join(r.text for r in responses) == reply
     assert all(r.request_id == "mine" for r in responses)
-    assert responses[-1].finish_reason == FinishReason.STOP
-    assert all(r.finish_reason == 0 for r in responses[:-1])
+    assert responses[-1].finish_reason == STOP
+    assert all(r.finish_reason == UNSPECIFIED for r in responses[:-1])
     assert responses[-1].num_completion_tokens == len(engine.reply_token_ids) + 1
     assert [t for r in responses for t in r.token_ids] == engine.reply_token_ids + [make_tokenizer().eos_token_id]
     assert engine.requests[0].request_id != "mine"  # the engine's id is always the frontend's own
@@ -57,7 +59,8 @@ def test_text_input_streams_text_and_finishes(reply):
 
 def test_token_ids_input_and_default_max_tokens():
     engine = FakeEngineClient(make_tokenizer(), "Hello world.", max_model_len=64)
-    responses = _call(engine, generate_pb2.GenerateRequest(token_ids=engine_core_pb2.TokenIds(token_ids=[5, 6, 7])))
+    token_ids = generate_pb2.GenerateRequest.TokenIds(token_ids=[5, 6, 7])
+    responses = _call(engine, generate_pb2.GenerateRequest(token_ids=token_ids))
     assert engine.requests[0].prompt_token_ids == [5, 6, 7]
     assert engine.requests[0].sampling_params.max_tokens == 64 - 3
     assert responses[-1].num_prompt_tokens == 3
@@ -67,7 +70,7 @@ def test_stop_string_finishes_with_stop_and_aborts():
     engine = FakeEngineClient(make_tokenizer(), "Hello world. The capital")
     responses = _call(engine, _request(text="x", stop=["."]))
     assert "".join(r.text for r in responses) == "Hello world"
-    assert responses[-1].finish_reason == FinishReason.STOP
+    assert responses[-1].finish_reason == STOP
     assert engine.aborted == [engine.requests[0].request_id]
 
 
@@ -109,11 +112,12 @@ def test_n_choices_are_indexed_and_logprobs_travel_as_ids():
     for index in (0, 1):
         mine = [r for r in responses if r.index == index]
         assert "".join(r.text for r in mine) == "Hello world."
-        assert mine[-1].finish_reason == FinishReason.STOP
+        assert mine[-1].finish_reason == STOP
         for r in mine:
             assert len(r.logprobs) == len(r.token_ids)
-            assert all(lp.top_logprobs[0].token_id == t and len(lp.top_logprobs) == 2
-                       for lp, t in zip(r.logprobs, r.token_ids))
+            for lp, t in zip(r.logprobs, r.token_ids):  # the fake's: t at -0.25 (rank 1), then t + 1
+                assert (lp.logprob, lp.rank) == (-0.25, 1)
+                assert [(x.token_id, x.logprob) for x in lp.top_logprobs] == [(t, -0.25), (t + 1, -1.25)]
     assert len({r.request_id for r in responses}) == 1
 
 
@@ -137,6 +141,7 @@ def test_tokenize_and_model_info():
     assert list(tokens.tokens) == tokenizer.convert_ids_to_tokens(list(tokens.token_ids))
     assert tokens.max_model_len == 256
     assert (info.model_name, info.max_model_len, info.vocab_size) == ("fake-model", 256, len(tokenizer))
+    assert (info.block_size, info.device, info.dtype) == (16, "cpu", "float32")
     assert list(info.eos_token_ids) == [tokenizer.eos_token_id]
     assert not_ready == grpc.StatusCode.UNAVAILABLE
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.common.pb import engine_core_pb2, generate_pb2, generate_pb2_grpc
+from services.common.pb import generate_pb2, generate_pb2_grpc
 from tests.e2e.cluster import SpindleCluster, free_port
 from tests.observability.otlp_receiver import SPAN_KIND_CLIENT, SPAN_KIND_SERVER, OtlpReceiver, ReceivedSpan
 from tests.observability.scrapes import ENGINE_COUNTERS, engine_counters, poll_until, scrape, value
@@ -163,7 +163,7 @@ def test_grpc_generate_accepts_traceparent_in_metadata(cluster, receiver, model_
     with grpc.insecure_channel(cluster.frontend_grpc_addr) as channel:
         stub = generate_pb2_grpc.GenerateServiceStub(channel)
         request = generate_pb2.GenerateRequest(text="The capital of France is", sampling_params=(
-            engine_core_pb2.SamplingParams(temperature=0, max_tokens=4)))
+            generate_pb2.GenerateRequest.SamplingParams(temperature=0, max_tokens=4)))
         responses = list(stub.Generate(request, metadata=[("traceparent", traceparent)], timeout=60))
     names = {"/spindle.v1.GenerateService/Generate", f"text_completion {model_name}", "scheduler.request",
              "scheduler.queue", "scheduler.prefill", "scheduler.decode", "worker.execute"}
