@@ -9,7 +9,9 @@ from typing import Any
 
 from aiohttp import web
 
+from services.frontend.engine_protocol import EngineClientProtocol
 from services.frontend.errors import error_middleware, model_not_found, service_unavailable
+from services.frontend.observability import FrontendObserver
 from services.frontend.serving_chat import OpenAIServingChat
 from services.frontend.serving_completion import OpenAIServingCompletion
 from services.frontend.serving_engine import OpenAIServing, ServerState, ServingModel
@@ -32,14 +34,16 @@ def spindle_version() -> str:
         return "0.0.0+unknown"
 
 
-def create_app(engine_client: Any, model: ServingModel, state: ServerState | None = None) -> web.Application:
-    """Builds the HTTP app around an EngineClient (real or fake) and the served model."""
+def create_app(engine_client: EngineClientProtocol, model: ServingModel, state: ServerState | None = None,
+               observer: FrontendObserver | None = None) -> web.Application:
+    """Builds the HTTP app around an engine client (real or fake) and the served model; `observer`
+    records metrics and spans of each request (none: nothing is recorded)."""
     state = state or ServerState()
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_REQUEST_BYTES)
-    app[SERVING_KEY] = OpenAIServing(engine_client, model, state)
-    app[CHAT_KEY] = OpenAIServingChat(engine_client, model, state)
-    app[COMPLETION_KEY] = OpenAIServingCompletion(engine_client, model, state)
-    app[TOKENIZATION_KEY] = OpenAIServingTokenization(engine_client, model, state)
+    app[SERVING_KEY] = OpenAIServing(engine_client, model, state, observer)
+    app[CHAT_KEY] = OpenAIServingChat(engine_client, model, state, observer)
+    app[COMPLETION_KEY] = OpenAIServingCompletion(engine_client, model, state, observer)
+    app[TOKENIZATION_KEY] = OpenAIServingTokenization(engine_client, model, state, observer)
     app[CREATED_KEY] = int(time.time())
     app.router.add_get("/health", health)
     app.router.add_get("/version", version)

@@ -29,6 +29,7 @@ from services.common.messages import (
     SchedulerStats,
 )
 from services.common.pb import engine_core_pb2, engine_core_pb2_grpc
+from services.frontend.engine_protocol import StepObserver
 from services.frontend.errors import EngineError
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ class EngineClient:
         self.info: EngineInfo | None = None
         self.last_stats = SchedulerStats()
         # Observability hook: sees every step's outputs (services/frontend/observability.py); set by the server.
-        self.observer: Any = None
+        self.observer: StepObserver | None = None
         self._is_worker_alive = False
         # `interceptors`: the tracing interceptors when tracing is on (services/common/telemetry.py).
         self._channel = grpc.aio.insecure_channel(scheduler_addr, options=SCHEDULER_CHANNEL_OPTIONS,

@@ -22,6 +22,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from services.common.messages import EngineCoreOutputs, RequestEventType, SchedulerStats
+from services.frontend.engine_protocol import EngineClientProtocol
 from services.common.metrics import (
     DURATION_BUCKETS_S,
     PREFIX,
@@ -29,6 +30,7 @@ from services.common.metrics import (
     TPOT_BUCKETS_S,
     TTFT_BUCKETS_S,
     EngineStatsCollector,
+    WeightedHistogram,
 )
 
 # How a request ended, as `finished_reason` labels: OpenAI's two, plus requests that never finished.
@@ -76,7 +78,7 @@ class RequestTimes:
 
 
 class FrontendMetrics:
-    def __init__(self, model_name: str, engine_client: Any):
+    def __init__(self, model_name: str, engine_client: EngineClientProtocol):
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self._inflight: dict[str, RequestTimes] = {}
@@ -89,7 +91,8 @@ class FrontendMetrics:
             return Counter(PREFIX + name, doc, ["model_name"], registry=self.registry).labels(model_name)
 
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS_S)
-        self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of a request.", TPOT_BUCKETS_S)
+        self.itl = WeightedHistogram(PREFIX + "inter_token_latency_seconds", "Time between two tokens of a request.",
+                                     TPOT_BUCKETS_S, {"model_name": model_name}, self.registry)
         self.tpot = histogram("time_per_output_token_seconds",
                               "Mean time per output token after the first, per request.", TPOT_BUCKETS_S)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.", DURATION_BUCKETS_S)
@@ -110,10 +113,9 @@ class FrontendMetrics:
         self.success = {reason: self._success.labels(model_name, reason) for reason in FINISHED_REASONS}
 
         def read_engine_stats() -> tuple[SchedulerStats, str] | None:
-            stats = getattr(engine_client, "last_stats", None)
-            if stats is None or getattr(engine_client, "info", None) is None:
-                return None  # never connected (or a test double): no engine state to report
-            return stats, model_name
+            if engine_client.info is None:
+                return None  # never connected: no engine state to report
+            return engine_client.last_stats, model_name
 
         self.registry.register(EngineStatsCollector(read_engine_stats))
 
@@ -162,7 +164,7 @@ class FrontendMetrics:
             times.num_generation_tokens += num_new
             num_generation_tokens += num_new
         for itl_s, count in itl_counts.items():
-            observe_many(self.itl, itl_s, count)
+            self.itl.observe(itl_s, count)
         if num_prompt_tokens:
             self.prompt_tokens.inc(num_prompt_tokens)
         if num_generation_tokens:
@@ -193,17 +195,3 @@ class FrontendMetrics:
     @property
     def num_inflight(self) -> int:
         return len(self._inflight)
-
-
-def observe_many(histogram: Any, value: float, count: int) -> None:
-    """`count` observations of one value with one bucket update (prometheus_client has no weighted observe)."""
-    buckets, bounds, total = (getattr(histogram, name, None) for name in ("_buckets", "_upper_bounds", "_sum"))
-    if buckets is None or bounds is None or total is None:  # another client version: one by one
-        for _ in range(count):
-            histogram.observe(value)
-        return
-    total.inc(value * count)
-    for bucket, bound in zip(buckets, bounds):
-        if value <= bound:
-            bucket.inc(count)
-            break

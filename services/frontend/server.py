@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any
 
 from aiohttp import web
 
@@ -20,6 +19,7 @@ from services.common.pb import generate_pb2_grpc
 from services.common.telemetry import client_interceptors, server_interceptors, setup_tracing
 from services.frontend.app import create_app
 from services.frontend.config import FrontendConfig
+from services.frontend.engine_protocol import EngineClientProtocol
 from services.frontend.grpc_service import SERVICE_NAME, GenerateServicer
 from services.frontend.observability import FrontendObserver, install
 from services.frontend.serving_engine import OpenAIServing, ServerState, ServingModel
@@ -33,7 +33,8 @@ READINESS_POLL_S = 0.5
 class FrontendServer:
     """The frontend's servers and their lifecycle; `start()` then `stop()`."""
 
-    def __init__(self, config: FrontendConfig, engine_client: Any = None, model: ServingModel | None = None):
+    def __init__(self, config: FrontendConfig, engine_client: EngineClientProtocol | None = None,
+                 model: ServingModel | None = None):
         self.config = config
         self.state = ServerState()
         self.engine_client = engine_client
@@ -59,7 +60,7 @@ class FrontendServer:
         # Observability hook: /metrics, spans and request metrics (services/frontend/observability.py).
         self.observer = FrontendObserver(self.engine_client, self.model.name, self.tracing)
         self.engine_client.observer = self.observer
-        app = create_app(self.engine_client, self.model, self.state)
+        app = create_app(self.engine_client, self.model, self.state, self.observer)
         install(app, self.observer)
         # Handlers are cancelled when their client disconnects: that is what aborts its request.
         self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0)
@@ -68,7 +69,7 @@ class FrontendServer:
         self.http_port = self._runner.addresses[0][1]
 
         self._grpc = GrpcServer(self.config.grpc_addr, [SERVICE_NAME], server_interceptors(self.tracing))
-        servicer = GenerateServicer(OpenAIServing(self.engine_client, self.model, self.state))
+        servicer = GenerateServicer(OpenAIServing(self.engine_client, self.model, self.state, self.observer))
         generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, self._grpc.server)
         await self._grpc.start()
         self.grpc_port = self._grpc.port

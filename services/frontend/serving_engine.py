@@ -18,10 +18,11 @@ from typing import Any, AsyncIterator, Iterator
 
 from services.common.messages import EngineCoreRequest, FinishReason, TokenLogprobs
 from services.frontend.detokenizer import IncrementalDetokenizer
+from services.frontend.engine_protocol import EngineClientProtocol
 from services.frontend.errors import EngineError, invalid_request, model_not_found, service_unavailable
 from services.frontend.fanout import merge_streams
 from services.frontend.logprobs import TokenStrings
-from services.frontend.observability import observe_choices
+from services.frontend.observability import FrontendObserver
 from services.frontend.protocol import GenerationOptions
 
 _INT64 = 2**64
@@ -93,10 +94,12 @@ class Choice:
 
 
 class OpenAIServing:
-    def __init__(self, engine_client: Any, model: ServingModel, state: ServerState):
+    def __init__(self, engine_client: EngineClientProtocol, model: ServingModel, state: ServerState,
+                 observer: FrontendObserver | None = None):
         self.engine_client = engine_client
         self.model = model
         self.state = state
+        self.observer = observer
         self.token_strings = TokenStrings(model.tokenizer)
 
     @property
@@ -198,15 +201,29 @@ class OpenAIServing:
         `final_only` (a full, non-streamed response) lets a choice without stop strings get its
         tokens in one delta at the end instead of one per engine step.
         """
+        # Observability hook: GenAI span and request metrics (services/frontend/observability.py).
+        observation = self.observer.begin(choices) if self.observer is not None else None
+        if observation is not None:  # the engine requests are children of the request's span
+            for choice in choices:
+                choice.engine_request.traceparent, choice.engine_request.tracestate = observation.trace_context
         streams = [self.generate(c.engine_request, c.detokenizer,
                                  final_only=final_only and not c.detokenizer.has_stop_strings) for c in choices]
-        # Observability hook: GenAI span, trace context and request metrics (services/frontend/observability.py).
-        async with aclosing(observe_choices(self.engine_client, choices, merge_streams(streams))) as deltas:
-            async for index, delta in deltas:
-                choice = choices[index]
-                choice.num_cached_tokens = delta.num_cached_tokens
-                choice.finish_reason = delta.finish_reason or choice.finish_reason
-                yield index, delta
+        error: BaseException | None = None
+        try:
+            async with aclosing(merge_streams(streams)) as deltas:
+                async for index, delta in deltas:
+                    choice = choices[index]
+                    choice.num_cached_tokens = delta.num_cached_tokens
+                    choice.finish_reason = delta.finish_reason or choice.finish_reason
+                    yield index, delta
+        except (GeneratorExit, asyncio.CancelledError):
+            raise  # the consumer left: unfinished choices count as aborted
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            if observation is not None:
+                observation.end(error)
 
     def make_detokenizer(self, prompt_token_ids: list[int], options: GenerationOptions) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(

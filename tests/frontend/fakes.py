@@ -77,6 +77,8 @@ class FakeEngineClient:
                                num_blocks=64, device="cpu", dtype="float32", vocab_size=len(tokenizer),
                                attention_backend="none")
         self.is_ready = True
+        self.last_stats = SchedulerStats()
+        self.observer = None
         self.refuse: EngineError | None = None
         self.fail_after: int | None = None
         self.failure = EngineError("worker died", "unavailable")

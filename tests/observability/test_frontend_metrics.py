@@ -14,7 +14,8 @@ from services.common.messages import (
     RequestEventType,
     SchedulerStats,
 )
-from services.frontend.metrics import FrontendMetrics, observe_many
+from services.common.metrics import WeightedHistogram
+from services.frontend.metrics import FrontendMetrics
 
 MODEL = {"model_name": "m"}
 
@@ -105,34 +106,22 @@ def test_buckets_follow_the_genai_conventions(metrics):
 OBSERVATIONS = [(-1.0, 1), (0.0, 2), (0.01, 3), (0.05, 1), (0.1, 4), (1.0, 2), (7.5, 5), (0.3, 0)]
 
 
-def histogram_pair(is_labelled: bool) -> list[tuple[CollectorRegistry, Histogram]]:
-    pair = []
-    for _ in range(2):
-        registry = CollectorRegistry()
-        h = Histogram("h", "doc", ["model_name"] if is_labelled else [], registry=registry, buckets=(0.01, 0.1, 1.0))
-        pair.append((registry, h.labels("m") if is_labelled else h))
-    return pair
-
-
 def histogram_samples(registry: CollectorRegistry) -> dict[tuple, float]:
     return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in registry.collect() for s in f.samples
-            if not s.name.endswith("_created")}  # creation times differ between the two histograms
+            if not s.name.endswith("_created")}  # prometheus_client's creation time has no counterpart
 
 
-@pytest.mark.parametrize("is_labelled", [False, True])
-@pytest.mark.parametrize("is_fallback", [False, True])
-def test_observe_many_matches_one_observe_per_value(is_labelled, is_fallback, monkeypatch):
-    (expected_registry, expected), (registry, h) = histogram_pair(is_labelled)
-    if is_fallback:
-        h = SimpleNamespace(observe=h.observe)  # only the public API, as another prometheus_client may offer
-    else:
-        monkeypatch.setattr(h, "observe", None)  # the fast path must not fall back to observe
+def test_weighted_histogram_matches_one_observe_per_value():
+    """The same samples (names, `le` labels, counts) as prometheus_client's Histogram observed one
+    value at a time; the sum up to rounding (value * count versus repeated adds)."""
+    expected_registry, registry = CollectorRegistry(), CollectorRegistry()
+    expected = Histogram("h", "doc", ["model_name"], registry=expected_registry, buckets=(0.01, 0.1, 1.0)).labels("m")
+    weighted = WeightedHistogram("h", "doc", (0.01, 0.1, 1.0), {"model_name": "m"}, registry)
     for value, count in OBSERVATIONS:
         for _ in range(count):
             expected.observe(value)
-        observe_many(h, value, count)
-    want = histogram_samples(expected_registry)
-    assert want.keys() == histogram_samples(registry).keys()
-    for key, value in histogram_samples(registry).items():
-        # bucket counts and count exactly; the sum up to rounding (value * count versus repeated adds)
+        weighted.observe(value, count)
+    want, got = histogram_samples(expected_registry), histogram_samples(registry)
+    assert want.keys() == got.keys()
+    for key, value in got.items():
         assert value == (pytest.approx(want[key], rel=1e-12) if key[0] == "h_sum" else want[key]), key

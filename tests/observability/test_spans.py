@@ -177,7 +177,7 @@ def run_app(engine: FakeEngineClient, traced: Traced, body: dict, path: str = "/
     async def scenario():
         observer = FrontendObserver(engine, "fake-model", traced.tracing)
         engine.observer = observer
-        app = create_app(engine, serving_model(engine.tokenizer))
+        app = create_app(engine, serving_model(engine.tokenizer), observer=observer)
         install(app, observer)
         async with TestClient(TestServer(app)) as client:
             response = await client.post(path, json={"model": "fake-model", **body},

@@ -11,7 +11,7 @@ from aiohttp import ClientSession
 from services.common.metrics_server import MetricsServer
 from services.common.telemetry import client_interceptors, server_interceptors, setup_tracing, traces_endpoint
 from services.frontend.config import FrontendConfig
-from services.frontend.observability import observe_choices
+from services.frontend.observability import FrontendObserver
 from services.frontend.server import FrontendServer
 from tests.frontend.fakes import FakeEngineClient, make_tokenizer, serving_model
 from tests.k8s.service_flags import flag_defaults, parse_config
@@ -85,9 +85,9 @@ def test_frontend_without_endpoint_does_no_span_work(no_otel_env):
     assert 'spindle:request_success_total{finished_reason="stop",model_name="fake-model"} 1.0' in text
 
 
-def test_observe_choices_is_the_stream_itself_without_an_observer():
-    stream = object()
-    assert observe_choices(object(), [], stream) is stream  # engine clients without `observer`
+def test_without_tracing_the_engine_requests_carry_no_trace_context():
+    observer = FrontendObserver(FakeEngineClient(make_tokenizer()), "fake-model", tracing=None)
+    assert observer.begin([]).trace_context == ("", "")
 
 
 def test_metrics_port_flags_match_the_manifests():

@@ -1,0 +1,38 @@
+"""What the frontend needs of its engine, as typed interfaces: `EngineClient` (the gRPC stream to
+the scheduler) is one implementation, a test's fake engine another."""
+from __future__ import annotations
+
+from typing import AsyncIterator, Protocol
+
+from services.common.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineInfo, SchedulerStats
+
+
+class StepObserver(Protocol):
+    """Sees every engine step's outputs before they reach the requests (the frontend's metrics)."""
+
+    def on_step(self, outputs: EngineCoreOutputs) -> None: ...
+
+
+class EngineClientProtocol(Protocol):
+    # What the engine reported when the client connected; None until then.
+    info: EngineInfo | None
+    # The latest stats the engine sent (with a step's outputs, or polled).
+    last_stats: SchedulerStats
+    observer: StepObserver | None
+
+    @property
+    def is_ready(self) -> bool:
+        """Connected, and the engine has a live worker."""
+        ...
+
+    def generate(self, request: EngineCoreRequest, final_only: bool = False) -> AsyncIterator[EngineCoreOutput]:
+        """The request's outputs until it finishes; raises EngineError when the engine refuses or
+        fails it. Closing the iterator early aborts the request. With `final_only` the outputs come
+        merged into one, when the request finishes."""
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def get_stats(self) -> tuple[SchedulerStats, bool]:
+        """The scheduler's stats now, and whether its worker is alive."""
+        ...
