@@ -1,7 +1,8 @@
 """Converts the frontend <-> scheduler protobuf messages (engine_core.proto) to the plain
 dataclasses of `messages` and back; `worker_codec` does the same for the scheduler <-> worker ones.
 
-These two are the only modules, besides the gRPC servers and clients, that touch generated code.
+These two convert the internal protocol; the public gRPC API has its own proto and converter
+(`services/frontend/grpc_codec.py`), so either side can change alone.
 
 Per-step messages (EngineCoreOutputs here, SchedulerOutput and ModelRunnerOutput in `worker_codec`)
 travel in columns: per-request lists are flattened into one packed field plus a count per request,
