@@ -89,22 +89,19 @@ class KVCacheManager:
             self.prefix_cache_stats.num_hits += num_hit_tokens
 
     # --- allocation ------------------------------------------------------------------------------
-    def can_fit(self, request: Request, computed_blocks: list[KVCacheBlock], num_tokens: int) -> bool:
-        """Whether `num_tokens` of the request fit, given the cache-hit blocks it would reuse."""
-        num_evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        num_needed = self.num_blocks_for(num_tokens) - len(computed_blocks)
-        return num_needed <= self.block_pool.num_free_blocks - num_evictable_hits
-
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
         computed_blocks: list[KVCacheBlock] | None = None,
+        num_tokens_to_fit: int = 0,
     ) -> list[int] | None:
         """Gives the request blocks for `num_new_tokens` more tokens; returns the new block ids.
 
-        Returns None (and changes nothing) when the free blocks do not suffice.
-        `computed_blocks` are prefix-cache hits, passed only when the request is first scheduled.
+        Returns None (and changes nothing) when the free blocks do not suffice, or would not suffice
+        for the request's first `num_tokens_to_fit` tokens (admission asks for the whole prompt, so
+        a chunked prefill rarely has to preempt later). `computed_blocks` are prefix-cache hits,
+        passed only when the request is first scheduled.
         """
         held = self.req_to_blocks.get(request.request_id)
         if not computed_blocks and held is not None and \
@@ -115,10 +112,11 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         num_required = self.num_blocks_for(num_computed + num_new_tokens)
         num_new_blocks = num_required - len(held) - len(computed_blocks)
-        if num_new_blocks <= 0 and not computed_blocks:
-            return []  # the usual decode step: the held blocks have room
+        num_blocks_to_fit = max(num_new_blocks, self.num_blocks_for(num_tokens_to_fit) - len(held) - len(computed_blocks))
+        if num_blocks_to_fit <= 0 and not computed_blocks:
+            return []  # the held blocks have room
         num_evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        if num_new_blocks > self.block_pool.num_free_blocks - num_evictable_hits:
+        if num_blocks_to_fit > self.block_pool.num_free_blocks - num_evictable_hits:
             return None
         if computed_blocks:
             self.block_pool.touch(computed_blocks)

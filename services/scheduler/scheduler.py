@@ -153,11 +153,9 @@ class Scheduler:
             computed_blocks, num_cached = [], 0
             if request.status == RequestStatus.WAITING:
                 computed_blocks, num_cached = kv.get_computed_blocks(request)
-            # Admit only if the whole remaining prompt fits, so admission rarely causes preemption.
-            if not kv.can_fit(request, computed_blocks, request.num_tokens):
-                break
             num_new = min(request.num_tokens - num_cached, budget)
-            block_ids = kv.allocate_slots(request, num_new, computed_blocks)
+            # Admitted only if the whole remaining prompt fits, so admission rarely causes preemption.
+            block_ids = kv.allocate_slots(request, num_new, computed_blocks, num_tokens_to_fit=request.num_tokens)
             if block_ids is None:
                 break
             self.waiting.pop()
