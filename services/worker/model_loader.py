@@ -16,10 +16,8 @@ from safetensors import safe_open
 from torch import nn
 
 from services.common.model_files import resolve_model
-from services.worker.attention.backend import AttentionBackend
-from services.worker.config import cpu_has_native_bf16
-from services.worker.layers.linear import add_float32_copies, can_prepack, prepack_cpu_weights
 from services.worker.models import get_model_class
+from services.worker.platforms import Platform
 
 logger = logging.getLogger(__name__)
 
@@ -59,28 +57,18 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
-def load_model(
-    model: str | Path,
-    dtype: torch.dtype,
-    device: torch.device,
-    backend: AttentionBackend,
-    cache_dir: str | None = None,
-    config=None,
-    float32_copy: bool = False,
-) -> nn.Module:
-    """Returns the model in eval mode with every parameter filled from the checkpoint.
-
-    `float32_copy`: on a CPU, 16-bit matmul weights also get a float32 packed copy for batches.
-    """
+def load_model(model: str | Path, platform: Platform, cache_dir: str | None = None, config=None) -> nn.Module:
+    """Returns the model in eval mode, built on `platform` (its dtype, device, attention backend and
+    layer ops), with every parameter filled from the checkpoint and then repacked by the platform."""
     model_path = Path(model)
     if model_path.suffix == ".gguf":
         model_path = resolve_model(str(model_path), cache_dir).path
     config = config or load_config(model_path)
     model_cls = get_model_class(getattr(config, "architectures", None))
     start = time.monotonic()
-    with _default_dtype(dtype), torch.device(device):
+    with _default_dtype(platform.dtype), torch.device(platform.device):
         # Parameters are created uninitialised (torch.empty): the checkpoint fills them.
-        net = model_cls(config, backend)
+        net = model_cls(config, platform)
     with torch.no_grad():
         loaded = net.load_weights(iterate_weights(model_path))
     missing = {name for name, _ in net.named_parameters()} - loaded
@@ -88,16 +76,10 @@ def load_model(
         raise ValueError(f"checkpoint in {model_path} lacks {sorted(missing)[:5]} ({len(missing)} missing)")
     net.eval().requires_grad_(False)
     num_params = sum(p.numel() for p in net.parameters())
-    num_packed = 0
-    if can_prepack(torch.device(device), dtype, native_bf16=cpu_has_native_bf16()):
-        num_packed = prepack_cpu_weights(net)
-    num_copied = 0
-    is_16bit_cpu = torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16)
-    if float32_copy and is_16bit_cpu and not num_packed:  # natively packed weights need no copy
-        num_copied = add_float32_copies(net)
+    packing = platform.process_weights_after_loading(net)
     logger.info(
-        "loaded %s (%s, %.0fM parameters, %s, %d matmul weights prepacked, %d with a float32 copy) in %.1f s",
-        model_cls.__name__, model_path.name, num_params / 1e6, str(dtype).removeprefix("torch."), num_packed,
-        num_copied, time.monotonic() - start,
+        "loaded %s (%s, %.0fM parameters, %s, %s) in %.1f s",
+        model_cls.__name__, model_path.name, num_params / 1e6, str(platform.dtype).removeprefix("torch."), packing,
+        time.monotonic() - start,
     )
     return net

@@ -9,7 +9,7 @@ import torch
 
 from services.worker.attention.cpu_backend import CpuAttentionBackend
 from services.worker.attention.cpu_decode import PagedDecodeKernel
-from services.worker.attention.torch_backend import TorchAttentionBackend
+from services.worker.attention.torch_backend import GatherDecode, TorchAttentionBackend
 from services.worker.cpu_kernels import MARCH_FEATURES, _cpu_flags, load_cpu_kernels
 from tests.kernels.paged_batch import TOLERANCES, check_batch, make_batch
 from tests.oracles import dense_attention
@@ -114,3 +114,36 @@ def test_decode_kernel_refuses_what_it_cannot_run(decode_kernel):
     assert not decode_kernel.supports(torch.bfloat16, 64, num_heads=9, num_kv_heads=2)  # uneven groups
     assert not decode_kernel.supports(torch.bfloat16, 60)  # not a multiple of 8
     assert not decode_kernel.supports(torch.float16, 64)
+
+
+def test_the_torch_backend_attends_its_decodes_through_the_decode_strategy_it_was_given():
+    """The decode tokens' queries (in decode order) go to the `DecodeAttention`, and its output
+    lands at their rows: a strategy that returns zeros fails the reference check on decodes only."""
+    batch = make_batch(8, 2, 64, torch.float32, block_size=16, seed=5)
+    calls = []
+
+    class Recording(GatherDecode):
+        def forward(self, query, key_cache, value_cache, metadata, scale):
+            calls.append(query.clone())
+            return super().forward(query, key_cache, value_cache, metadata, scale)
+
+    class Zeros(GatherDecode):
+        def forward(self, query, key_cache, value_cache, metadata, scale):
+            return query.new_zeros(query.shape[0], query.shape[1] * query.shape[2])
+
+    backend = TorchAttentionBackend(Recording())
+    metadata = backend.build_metadata(batch.common)
+    out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache.clone(), metadata, 64**-0.5)
+    check_batch(out, batch, 64**-0.5, TOLERANCES[torch.float32])
+    decode_rows = [i for i, n in enumerate(batch.common.query_lens_cpu) if n == 1]
+    assert metadata.decode_token_indices.tolist() == batch.common.query_start_loc[decode_rows].tolist()
+    assert len(calls) == 1 and torch.equal(calls[0], batch.query[metadata.decode_token_indices])
+    broken = TorchAttentionBackend(Zeros())
+    zeros = broken.forward(batch.query, batch.key, batch.value, batch.kv_cache.clone(),
+                           broken.build_metadata(batch.common), 64**-0.5)
+    prefill_rows = torch.ones(zeros.shape[0], dtype=torch.bool)
+    prefill_rows[metadata.decode_token_indices] = False
+    assert torch.equal(zeros[prefill_rows], out[prefill_rows])
+    assert not zeros[metadata.decode_token_indices].any()
+    with pytest.raises(AssertionError):
+        check_batch(zeros, batch, 64**-0.5, TOLERANCES[torch.float32])

@@ -1,12 +1,17 @@
-"""The fused CPU layers (csrc/fused_ops.c) against the PyTorch code of the same modules."""
+"""The fused CPU layers (csrc/fused_ops.c) against the PyTorch reference ops (`TorchLayerOps`), and
+the CPU platform's `CpuLayerOps` routing: the kernel where it applies, PyTorch elsewhere."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from services.worker.cpu_kernels import load_cpu_kernels
+from services.worker.attention.backend import CommonAttentionMetadata
+from services.worker.attention.torch_backend import TorchAttentionBackend
 from services.worker.layers.activation import SiluAndMul
-from services.worker.layers.fused_ops import FusedOps, use_fused_ops
+from services.worker.layers.attention import Attention
+from services.worker.layers.fused_ops import CpuLayerOps, FusedOps
+from services.worker.layers.layer_ops import TorchLayerOps
 from services.worker.layers.layernorm import RMSNorm
 from services.worker.layers.rotary_embedding import get_rope, rotate
 
@@ -18,6 +23,20 @@ def ops(tmp_path_factory) -> FusedOps:
     return FusedOps(library)
 
 
+@pytest.fixture
+def cpu_ops(ops) -> CpuLayerOps:
+    return CpuLayerOps(ops)
+
+
+def _norms(hidden: int, dtype: torch.dtype, cpu_ops: CpuLayerOps) -> tuple[RMSNorm, RMSNorm]:
+    """The same RMSNorm on the PyTorch reference and on the CPU ops."""
+    reference, fused = RMSNorm(hidden, 1e-5, TorchLayerOps()), RMSNorm(hidden, 1e-5, cpu_ops)
+    with torch.no_grad():
+        reference.weight.copy_(torch.rand(hidden) + 0.5)
+        fused.weight.copy_(reference.weight)
+    return reference.to(dtype), fused.to(dtype)
+
+
 def _tolerance(dtype):
     # float32: summation order only; bfloat16: one rounding step of the result.
     return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
@@ -25,17 +44,13 @@ def _tolerance(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens,hidden", [(1, 576), (7, 64), (300, 200), (2048, 576)])
-def test_rms_norm_with_and_without_residual_matches_pytorch(ops, dtype, num_tokens, hidden):
+def test_rms_norm_with_and_without_residual_matches_pytorch(cpu_ops, dtype, num_tokens, hidden):
     torch.manual_seed(num_tokens + hidden)
-    norm = RMSNorm(hidden, eps=1e-5)
-    with torch.no_grad():
-        norm.weight.copy_(torch.rand(hidden) + 0.5)
-    norm = norm.to(dtype)
+    reference, norm = _norms(hidden, dtype, cpu_ops)
     x = (torch.randn(num_tokens, hidden) * 3).to(dtype)
     residual = torch.randn(num_tokens, hidden).to(dtype)
-    expected_alone = norm(x)
-    expected, expected_residual = norm(x, residual)
-    use_fused_ops(norm, ops)
+    expected_alone = reference(x)
+    expected, expected_residual = reference(x, residual)
     alone = norm(x)
     assert alone.data_ptr() != x.data_ptr()  # without a residual the input is left alone
     x_in, residual_in = x.clone(), residual.clone()
@@ -53,27 +68,29 @@ def test_silu_and_mul_matches_pytorch(ops, dtype, num_tokens, width, monkeypatch
     torch.manual_seed(num_tokens + width)
     x = (torch.randn(num_tokens, width) * 4).to(dtype)
     x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # saturated and zero gates
-    act = SiluAndMul()
-    expected = act(x)
+    expected = SiluAndMul(TorchLayerOps())(x)
     out = ops.silu_and_mul(x)
     assert out.shape == (num_tokens, width // 2) and out.dtype == dtype
     torch.testing.assert_close(out, expected, **_tolerance(dtype))
-    # The module takes the kernel for float32 only (PyTorch's bfloat16 kernel is faster).
-    use_fused_ops(act, ops)
+    # The CPU ops take the kernel for float32 only (PyTorch's bfloat16 kernel is faster).
+    act = SiluAndMul(CpuLayerOps(ops))
     calls, kernel = [], ops.silu_and_mul
     monkeypatch.setattr(ops, "silu_and_mul", lambda t: calls.append(t) or kernel(t))
     torch.testing.assert_close(act(x), expected, **_tolerance(dtype))
     assert len(calls) == (dtype == torch.float32)
 
 
-def test_layers_fall_back_for_what_the_kernels_do_not_take(ops):
-    norm, act = RMSNorm(16), SiluAndMul()
+def test_layers_fall_back_for_what_the_kernels_do_not_take(ops, cpu_ops, monkeypatch):
+    norm, act = RMSNorm(16, 1e-6, cpu_ops), SiluAndMul(cpu_ops)
     with torch.no_grad():
         norm.weight.fill_(1.0)
-    use_fused_ops(norm, ops), use_fused_ops(act, ops)
     x = torch.randn(4, 16, dtype=torch.float64)
     assert not ops.supports(x) and not ops.supports(torch.randn(4, 32)[:, ::2])
+    for name in ("rms_norm", "add_rms_norm", "silu_and_mul"):
+        monkeypatch.setattr(ops, name, lambda *a: pytest.fail("a kernel was called on a tensor it does not take"))
     torch.testing.assert_close(norm(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps), atol=1e-6, rtol=1e-6)
+    out, residual = norm(x, x.float())  # the residual's dtype differs from x's
+    torch.testing.assert_close(residual, 2 * x)
     gate, up = x.chunk(2, dim=-1)
     torch.testing.assert_close(act(x), torch.nn.functional.silu(gate) * up)
 
@@ -102,26 +119,34 @@ def test_rope_and_cache_write_equal_pytorch_rotation_and_index_copy(ops, dtype, 
     assert torch.equal(cache, expected_cache)
 
 
-def test_attention_layer_takes_the_fused_path_only_where_it_applies(ops):
-    from services.worker.attention.torch_backend import TorchAttentionBackend
-    from services.worker.attention.backend import CommonAttentionMetadata
-    from services.worker.layers.attention import Attention
-
+def test_attention_layer_takes_the_fused_path_only_where_it_applies(ops, monkeypatch):
+    """The same layer call on the PyTorch ops (rotate, then the backend writes the cache) and on the
+    CPU ops (one kernel rotates and writes): the same cache bit for bit and the same attention."""
     heads, kv_heads, head_dim, block_size = 4, 2, 16, 4
-    attn = Attention(heads, kv_heads, head_dim, head_dim**-0.5, TorchAttentionBackend())
-    attn.kv_cache = torch.zeros(2, 8, block_size, kv_heads, head_dim)
+    backend = TorchAttentionBackend()
     common = CommonAttentionMetadata(torch.tensor([0, 3]), torch.tensor([3]), torch.tensor([4, 5, 6]),
                                      torch.tensor([[1, 0]]), block_size, [3], [3])
-    metadata = attn.backend.build_metadata(common)
+    metadata = backend.build_metadata(common)
     rope = get_rope(head_dim, 64, {}).cos_sin(torch.arange(3), torch.float32)
     qkv = torch.randn(3, (heads + 2 * kv_heads) * head_dim)
-    assert attn.forward_qkv(qkv.clone(), rope, metadata) is None  # no kernels given yet
-    qk = rotate(qkv[:, : (heads + kv_heads) * head_dim].view(3, heads + kv_heads, head_dim), *rope)
-    expected = attn(qk[:, :heads], qk[:, heads:], qkv[:, (heads + kv_heads) * head_dim :], metadata)
-    expected_cache = attn.kv_cache.clone()
-    attn.kv_cache.zero_()
-    use_fused_ops(attn, ops)
-    assert attn.forward_qkv(qkv.double(), tuple(t.double() for t in rope), metadata) is None  # float64: no kernel
-    fused = attn.forward_qkv(qkv.clone(), rope, metadata)
-    assert torch.equal(attn.kv_cache, expected_cache)
+    calls, kernel = [], ops.rope_and_cache
+    monkeypatch.setattr(ops, "rope_and_cache", lambda *a: calls.append(a) or kernel(*a))
+
+    def run(layer_ops, qkv, rope, dtype=torch.float32):
+        attn = Attention(heads, kv_heads, head_dim, head_dim**-0.5, backend, layer_ops)
+        attn.kv_cache = torch.zeros(2, 8, block_size, kv_heads, head_dim, dtype=dtype)
+        return attn(qkv.clone(), rope, metadata), attn.kv_cache
+
+    expected, expected_cache = run(TorchLayerOps(), qkv, rope)
+    assert not calls
+    fused, fused_cache = run(CpuLayerOps(ops), qkv, rope)
+    assert len(calls) == 1
+    assert torch.equal(fused_cache, expected_cache)
     torch.testing.assert_close(fused, expected, atol=1e-6, rtol=1e-6)
+    # float64: no kernel, the PyTorch rotation and the backend's cache write
+    rope64 = tuple(t.double() for t in rope)
+    out64, cache64 = run(CpuLayerOps(ops), qkv.double(), rope64, torch.float64)
+    assert len(calls) == 1
+    reference64, reference_cache64 = run(TorchLayerOps(), qkv.double(), rope64, torch.float64)
+    assert torch.equal(out64, reference64) and torch.equal(cache64, reference_cache64)
+    torch.testing.assert_close(out64.float(), expected, atol=1e-5, rtol=1e-5)

@@ -10,8 +10,10 @@ from services.common.messages import NewRequestData, SamplingParams, SchedulerOu
 from services.worker.attention.torch_backend import TorchAttentionBackend
 from services.worker.config import RunnerConfig
 from services.worker.kv_cache import KVCacheLayout
+from services.worker.layers.layer_ops import TorchLayerOps
 from services.worker.model_loader import load_config, load_model
 from services.worker.model_runner import ModelRunner
+from services.worker.platforms.cpu import CpuPlatform
 
 VOCAB_SIZE = 512
 
@@ -50,7 +52,8 @@ def make_runner(model_dir: Path, block_size: int = 4, num_blocks: int = 128, max
                 dtype: torch.dtype = torch.float32, float32_copy: bool = False) -> ModelRunner:
     hf_config = load_config(model_dir)
     backend = TorchAttentionBackend()
-    model = load_model(model_dir, dtype, torch.device("cpu"), backend, config=hf_config, float32_copy=float32_copy)
+    platform = CpuPlatform(dtype, backend, TorchLayerOps(), float32_copy=float32_copy)
+    model = load_model(model_dir, platform, config=hf_config)
     attn = model.attention_layers()
     layout = KVCacheLayout(len(attn), attn[0].num_kv_heads, attn[0].head_dim, block_size, dtype)
     config = RunnerConfig(block_size=block_size, max_model_len=hf_config.max_position_embeddings,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 import torch
 
@@ -40,8 +40,18 @@ class CommonAttentionMetadata:
         return int(self.slot_mapping.shape[0])
 
 
+class AttentionMetadata(Protocol):
+    """What every backend's per-step metadata offers the layers (the rest is the backend's own)."""
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        """[num_tokens] int64: the cache slot of each token's K/V."""
+
+
 class AttentionBackend(abc.ABC):
-    """Paged attention for one device: cache layout, per-step planning, and the layer call."""
+    """Paged attention for one device: cache layout, per-step planning, and the layer call, which
+    is `write_kv` then `attend` (the layer may have a fused op write the cache instead, in the
+    same layout at the same slots)."""
 
     name: str = "abstract"
 
@@ -50,19 +60,30 @@ class AttentionBackend(abc.ABC):
         return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
     @abc.abstractmethod
-    def build_metadata(self, common: CommonAttentionMetadata) -> Any:
-        """Turns the common metadata into what `forward` needs; called once per step, not per layer."""
+    def build_metadata(self, common: CommonAttentionMetadata) -> AttentionMetadata:
+        """Turns the common metadata into what `attend` needs; called once per step, not per layer."""
 
     @abc.abstractmethod
-    def forward(
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 metadata: AttentionMetadata) -> None:
+        """Writes this step's key/value [T, H_kv, D] into `kv_cache` at the metadata's slot mapping."""
+
+    @abc.abstractmethod
+    def attend(
         self,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: torch.Tensor,
-        metadata: Any,
+        metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """Writes this step's key/value [T, H_kv, D] into `kv_cache` at the metadata's slot mapping,
-        then returns causal attention of every query [T, H, D] over its own request's context
-        (read through the block table), as [T, H * D]. H must be a multiple of H_kv (GQA)."""
+        """Causal attention of every query [T, H, D] over its own request's context (read through
+        the block table), as [T, H * D], once this step's key/value [T, H_kv, D] are in `kv_cache`.
+        H must be a multiple of H_kv (GQA)."""
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        """`write_kv`, then `attend`."""
+        self.write_kv(key, value, kv_cache, metadata)
+        return self.attend(query, key, value, kv_cache, metadata, scale)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from services.worker.attention.cpu_decode import PagedDecodeKernel
-from services.worker.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
+from services.worker.attention.torch_backend import DecodeAttention, TorchAttentionBackend
 
 
 @dataclass(frozen=True)
@@ -21,17 +21,23 @@ class CpuDecodeMetadata:
     max_seq_len: int
 
 
-class CpuAttentionBackend(TorchAttentionBackend):
-    name = "cpu"
+class KernelDecode(DecodeAttention[CpuDecodeMetadata]):
+    """Decodes on the compiled kernel, which reads K/V through the block table in place."""
 
     def __init__(self, kernel: PagedDecodeKernel):
         self.kernel = kernel
 
-    def _decode_metadata(self, block_table, seq_lens, max_seq_len, block_size) -> CpuDecodeMetadata:
+    def build_metadata(self, block_table, seq_lens, max_seq_len, block_size) -> CpuDecodeMetadata:
         return CpuDecodeMetadata(block_table.contiguous(), seq_lens.contiguous(), max_seq_len)
 
-    def _decode(self, query, key_cache, value_cache, m: TorchAttentionMetadata, scale) -> torch.Tensor:
-        q = query if m.is_all_decode else query[m.decode_token_indices]
-        out = self.kernel(q, key_cache, value_cache, m.decode.block_table, m.decode.seq_lens,
-                          m.decode.max_seq_len, scale)
-        return out.to(query.dtype).reshape(q.shape[0], -1)
+    def forward(self, query, key_cache, value_cache, metadata: CpuDecodeMetadata, scale) -> torch.Tensor:
+        out = self.kernel(query, key_cache, value_cache, metadata.block_table, metadata.seq_lens,
+                          metadata.max_seq_len, scale)
+        return out.to(query.dtype).reshape(query.shape[0], -1)
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    name = "cpu"
+
+    def __init__(self, kernel: PagedDecodeKernel):
+        super().__init__(KernelDecode(kernel))

@@ -1,10 +1,10 @@
 """Paged attention through the CUDA kernels (services/worker/kernels), the GPU path.
 
 Per step, `build_metadata` keeps the int64 device tensors the kernels read and the longest
-sequence (a host value); per layer, `forward` writes this step's K/V with `reshape_and_cache`,
-then runs `paged_attention` over the whole mixed batch in one launch (plus the split-K combine
-when contexts are long and the batch is small). The launcher is injected: CuPy on a GPU, the
-CPU shim in tests, with identical arguments.
+sequence (a host value); per layer, `write_kv` writes this step's K/V with `reshape_and_cache`,
+then `attend` runs `paged_attention` over the whole mixed batch in one launch (plus the split-K
+combine when contexts are long and the batch is small). The launcher is injected: CuPy on a GPU,
+the CPU shim in tests, with identical arguments.
 """
 from __future__ import annotations
 
@@ -51,12 +51,14 @@ class CupyAttentionBackend(AttentionBackend):
             max_seq_len=max(common.seq_lens_cpu, default=0),
         )
 
-    def forward(self, query, key, value, kv_cache, metadata: CupyAttentionMetadata, scale):
-        num_tokens, num_heads, head_dim = query.shape
-        num_kv_heads = key.shape[1]
+    def write_kv(self, key, value, kv_cache, metadata: CupyAttentionMetadata) -> None:
         write = reshape_and_cache(kv_cache, key, value, metadata.slot_mapping)
         if write is not None:
             self.launcher(write)
+
+    def attend(self, query, key, value, kv_cache, metadata: CupyAttentionMetadata, scale):
+        num_tokens, num_heads, head_dim = query.shape
+        num_kv_heads = key.shape[1]
         out = torch.empty(num_tokens, num_heads * head_dim, dtype=query.dtype, device=query.device)
         num_ctas = num_tokens * num_kv_heads * -(-(num_heads // num_kv_heads) // group_tile(num_heads, num_kv_heads))
         num_partitions = plan_partitions(metadata.max_seq_len, num_ctas, self.num_sms)

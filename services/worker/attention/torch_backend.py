@@ -1,21 +1,41 @@
 """PyTorch paged attention, the CPU path (and the reference for device kernels).
 
 A step's batch splits in two groups, planned once per step:
-- decodes (one query token): attended together in one SDPA call over K/V gathered block-wise into
-  a padded [B, H_kv, L, D] tensor; the G = H / H_kv query heads that share a KV head ride as G
-  query rows, so GQA needs no repeated K/V.
+- decodes (one query token): attended together by the backend's `DecodeAttention`. The default,
+  `GatherDecode`, runs one SDPA call over K/V gathered block-wise into a padded [B, H_kv, L, D]
+  tensor; the G = H / H_kv query heads that share a KV head ride as G query rows, so GQA needs no
+  repeated K/V. The CPU backend (cpu_backend.py) plugs in the compiled kernel instead.
 - prefills and chunks (several query tokens): one SDPA call each. A request with no earlier context
   attends to its own fresh K/V with a causal mask and never reads the cache.
 """
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
-from typing import Any
+from typing import Generic, TypeVar
 
 import torch
 import torch.nn.functional as F
 
 from services.worker.attention.backend import AttentionBackend, CommonAttentionMetadata
+
+DecodeMetadataT = TypeVar("DecodeMetadataT")
+
+
+class DecodeAttention(abc.ABC, Generic[DecodeMetadataT]):
+    """How `TorchAttentionBackend` attends its decode tokens (one query each) over the paged cache."""
+
+    @abc.abstractmethod
+    def build_metadata(self, block_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+                       block_size: int) -> DecodeMetadataT:
+        """Once per step, from the decodes' block table rows [B_d, num_blocks] (padded with block 0,
+        `num_blocks` covering the longest) and lengths [B_d], the longest `max_seq_len`."""
+
+    @abc.abstractmethod
+    def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                metadata: DecodeMetadataT, scale: float) -> torch.Tensor:
+        """query [B_d, H, D] of the decode tokens in decode order, caches [num_blocks, bs, H_kv, D]
+        holding this step's K/V -> attention output [B_d, H * D] in the query's dtype."""
 
 
 @dataclass(frozen=True)
@@ -40,13 +60,36 @@ class TorchAttentionMetadata:
     # decodes
     is_all_decode: bool  # then decode i is token i, and no gather/scatter of queries is needed
     decode_token_indices: torch.Tensor | None  # [B_d] positions in the flat batch
-    decode: Any  # what this backend's `_decode` reads (from `_decode_metadata`); None without decodes
+    decode: object  # what the backend's DecodeAttention built for this step; None without decodes
     # prefills, in batch order
     prefills: tuple[PrefillSlice, ...]
 
 
+class GatherDecode(DecodeAttention[TorchDecodeMetadata]):
+    """Decodes in one SDPA call over the blocks gathered into a padded tensor, with a length mask."""
+
+    def build_metadata(self, block_table, seq_lens, max_seq_len, block_size) -> TorchDecodeMetadata:
+        key_positions = torch.arange(block_table.shape[1] * block_size, device=seq_lens.device)
+        mask = (key_positions[None, :] < seq_lens[:, None])[:, None, None, :]
+        return TorchDecodeMetadata(block_table.reshape(-1), mask)
+
+    def forward(self, query, key_cache, value_cache, metadata: TorchDecodeMetadata, scale) -> torch.Tensor:
+        num_reqs = query.shape[0]
+        num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+        q = query.view(num_reqs, num_kv_heads, -1, head_dim)  # [B, H_kv, G, D]
+        k = _gather(key_cache, metadata.block_ids, num_reqs)
+        v = _gather(value_cache, metadata.block_ids, num_reqs)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=metadata.mask, scale=scale)
+        return out.reshape(num_reqs, -1)
+
+
 class TorchAttentionBackend(AttentionBackend):
+    """Prefills on PyTorch's SDPA; decodes on `decode` (default `GatherDecode`)."""
+
     name = "torch"
+
+    def __init__(self, decode: DecodeAttention | None = None):
+        self.decode = decode if decode is not None else GatherDecode()
 
     def build_metadata(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
         bs = common.block_size
@@ -63,7 +106,7 @@ class TorchAttentionBackend(AttentionBackend):
                 block_table, seq_lens = common.block_table[:, :num_blocks], common.seq_lens
             else:
                 block_table, seq_lens = common.block_table[idx, :num_blocks], common.seq_lens[idx]
-            decode = self._decode_metadata(block_table, seq_lens, max_seq_len, bs)
+            decode = self.decode.build_metadata(block_table, seq_lens, max_seq_len, bs)
         prefills = []
         for i, n in enumerate(common.query_lens_cpu):
             if n <= 1:
@@ -82,36 +125,26 @@ class TorchAttentionBackend(AttentionBackend):
             prefills=tuple(prefills),
         )
 
-    def _decode_metadata(self, block_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
-                         block_size: int) -> Any:
-        """Once per step, from the decodes' block table rows [B_d, num_blocks] and lengths [B_d]."""
-        key_positions = torch.arange(block_table.shape[1] * block_size, device=seq_lens.device)
-        mask = (key_positions[None, :] < seq_lens[:, None])[:, None, None, :]
-        return TorchDecodeMetadata(block_table.reshape(-1), mask)
-
-    def forward(self, query, key, value, kv_cache, metadata: TorchAttentionMetadata, scale):
+    def write_kv(self, key, value, kv_cache, metadata: TorchAttentionMetadata) -> None:
         num_kv_heads, head_dim = key.shape[1], key.shape[2]
         # Write in place through the slot mapping: the cache never grows or gets concatenated.
         kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, key)
         kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, value)
-        return self.attend(query, key, value, kv_cache, metadata, scale)
 
     def attend(self, query, key, value, kv_cache, metadata: TorchAttentionMetadata, scale):
-        """`forward` for a step whose key/value are already in `kv_cache` (the fused CPU kernel wrote them)."""
         head_dim = key.shape[2]
         num_heads = query.shape[1]
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         if metadata.is_all_decode:
-            return self._decode(query, key_cache, value_cache, metadata, scale)
+            return self.decode.forward(query, key_cache, value_cache, metadata.decode, scale)
         output = torch.empty(query.shape[0], num_heads * head_dim, dtype=query.dtype, device=query.device)
         if metadata.decode_token_indices is not None:
-            output[metadata.decode_token_indices] = self._decode(query, key_cache, value_cache, metadata, scale)
+            decode_query = query[metadata.decode_token_indices]
+            output[metadata.decode_token_indices] = self.decode.forward(decode_query, key_cache, value_cache,
+                                                                        metadata.decode, scale)
         for p in metadata.prefills:
             output[p.query_start : p.query_end] = _prefill(query, key, value, key_cache, value_cache, p, scale)
         return output
-
-    def _decode(self, query, key_cache, value_cache, metadata: TorchAttentionMetadata, scale) -> torch.Tensor:
-        return _decode(query, key_cache, value_cache, metadata, scale)
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -119,17 +152,6 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor, num_rows: int) -> torc
     _, bs, num_kv_heads, head_dim = cache.shape
     gathered = cache.index_select(0, block_ids)
     return gathered.view(num_rows, -1, num_kv_heads, head_dim).transpose(1, 2)
-
-
-def _decode(query, key_cache, value_cache, m: TorchAttentionMetadata, scale) -> torch.Tensor:
-    num_reqs = m.decode_token_indices.shape[0]
-    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    q = query if m.is_all_decode else query[m.decode_token_indices]
-    q = q.view(num_reqs, num_kv_heads, -1, head_dim)  # [B, H_kv, G, D]
-    k = _gather(key_cache, m.decode.block_ids, num_reqs)
-    v = _gather(value_cache, m.decode.block_ids, num_reqs)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=m.decode.mask, scale=scale)
-    return out.reshape(num_reqs, -1)
 
 
 def _prefill(query, key, value, key_cache, value_cache, p: PrefillSlice, scale) -> torch.Tensor:

@@ -27,24 +27,26 @@ import torch.nn.functional as F
 from torch import nn
 
 
-class Linear(nn.Module):
-    """y = x W^T (+ b). Parameters are left uninitialised: weights always come from a checkpoint."""
+class LinearBase(nn.Module):
+    """x W^T (+ b) on `weight` (and `bias`), which the CPU platform may repack once after loading:
+    `prepack` in the weight's own dtype, or `add_float32_copy` beside a 16-bit weight."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+
+    def __init__(self, keeps_weight_when_packed: bool = False):
         super().__init__()
-        self.input_size = input_size
-        self.output_size = output_size
-        self.weight = nn.Parameter(torch.empty(output_size, input_size))
-        self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
+        self.keeps_weight_when_packed = keeps_weight_when_packed  # a tied weight still serves its embedding
         # oneDNN layout: the weight itself after prepack(), or a float32 copy beside a 16-bit weight.
         self.packed_weight: torch.Tensor | None = None
         self.packed_bias: torch.Tensor | None = None  # float32, beside a 16-bit weight's packed copy
         self.weight_is_packed = False
 
     def prepack(self) -> None:
-        """Repacks the CPU weight for oneDNN in its own dtype and frees the plain copy."""
+        """Repacks the CPU weight for oneDNN in its own dtype and frees the plain copy (unless kept)."""
         self.packed_weight = pack_weight(self.weight)
-        self.weight.data = self.weight.data.new_empty(0)
+        if not self.keeps_weight_when_packed:
+            self.weight.data = self.weight.data.new_empty(0)
         self.weight_is_packed = True
 
     def add_float32_copy(self) -> None:
@@ -58,6 +60,17 @@ class Linear(nn.Module):
         if self.weight_is_packed:
             return packed_linear(x, self.packed_weight, self.bias)
         return linear_16bit_with_copy(x, self.weight, self.bias, self.packed_weight, self.packed_bias)
+
+
+class Linear(LinearBase):
+    """y = x W^T (+ b). Parameters are left uninitialised: weights always come from a checkpoint."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.weight = nn.Parameter(torch.empty(output_size, input_size))
+        self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
 
 
 class MergedLinear(Linear):
@@ -137,17 +150,16 @@ def can_prepack(device: torch.device, dtype: torch.dtype, native_bf16: bool = Fa
 
 
 def add_float32_copies(model: nn.Module) -> int:
-    """Gives every 16-bit matmul weight in `model` a float32 packed copy; returns how many."""
-    return _call_on_modules(model, "add_float32_copy")
+    """Gives every matmul weight in `model` a float32 packed copy; returns how many."""
+    layers = [m for m in model.modules() if isinstance(m, LinearBase)]
+    for layer in layers:
+        layer.add_float32_copy()
+    return len(layers)
 
 
 def prepack_cpu_weights(model: nn.Module) -> int:
-    """Prepacks every Linear (and anything else with a `prepack` method) in `model`; returns how many."""
-    return _call_on_modules(model, "prepack")
-
-
-def _call_on_modules(model: nn.Module, method: str) -> int:
-    modules = [m for m in model.modules() if hasattr(m, method)]
-    for module in modules:
-        getattr(module, method)()
-    return len(modules)
+    """Prepacks every matmul weight (`LinearBase`) in `model`; returns how many."""
+    layers = [m for m in model.modules() if isinstance(m, LinearBase)]
+    for layer in layers:
+        layer.prepack()
+    return len(layers)

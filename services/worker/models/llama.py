@@ -2,22 +2,26 @@
 
 Input is a flat batch: every request's scheduled tokens concatenated ([T] ids and positions), no
 padding. q/k/v and gate/up are fused projections; `load_weights` splits checkpoint tensors into
-them. Attention goes through the paged KV cache bound to each `Attention` layer.
+them. Attention goes through the paged KV cache bound to each `Attention` layer. The worker's
+platform is given at construction: its attention backend and layer ops (the compiled CPU kernels,
+or PyTorch) go to the layers that call them.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
 from torch import nn
 
-from services.worker.attention.backend import AttentionBackend
+from services.worker.attention.backend import AttentionMetadata
 from services.worker.layers.activation import get_act_and_mul
 from services.worker.layers.attention import Attention
 from services.worker.layers.embedding import LMHead, VocabEmbedding
+from services.worker.layers.layer_ops import LayerOps
 from services.worker.layers.layernorm import RMSNorm
 from services.worker.layers.linear import Linear, MergedLinear, QKVLinear
-from services.worker.layers.rotary_embedding import get_rope, rotate
+from services.worker.layers.rotary_embedding import get_rope
+from services.worker.platforms.interface import Platform
 
 
 def _rope_parameters(config) -> dict:
@@ -29,7 +33,7 @@ def _rope_parameters(config) -> dict:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, backend: AttentionBackend, qkv_bias: bool, o_bias: bool):
+    def __init__(self, config, platform: Platform, qkv_bias: bool, o_bias: bool):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -37,42 +41,34 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias)
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, o_bias)
         self.rotary_emb = get_rope(self.head_dim, config.max_position_embeddings, _rope_parameters(config))
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, backend)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5,
+                              platform.attention_backend, platform.layer_ops)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor,
-                attn_metadata: Any) -> torch.Tensor:
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
         """`rope`: this step's (cos, sin) from `rotary_emb.cos_sin`, the same for every layer."""
-        num_tokens = hidden_states.shape[0]
-        qkv = self.qkv_proj(hidden_states)
-        fused = self.attn.forward_qkv(qkv, rope, attn_metadata)
-        if fused is not None:
-            return self.o_proj(fused)
-        # q and k sit side by side in the fused output: rotate them in one pass.
-        num_qk_heads = self.num_heads + self.num_kv_heads
-        qk = rotate(qkv[:, : num_qk_heads * self.head_dim].view(num_tokens, num_qk_heads, self.head_dim), *rope)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, num_qk_heads * self.head_dim :]
-        return self.o_proj(self.attn(q, k, v, attn_metadata))
+        return self.o_proj(self.attn(self.qkv_proj(hidden_states), rope, attn_metadata))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, bias: bool):
+    def __init__(self, config, bias: bool, ops: LayerOps):
         super().__init__()
         self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias)
-        self.act_fn = get_act_and_mul(config.hidden_act)
+        self.act_fn = get_act_and_mul(config.hidden_act, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, backend: AttentionBackend, qkv_bias: bool, o_bias: bool):
+    def __init__(self, config, platform: Platform, qkv_bias: bool, o_bias: bool):
         super().__init__()
-        self.self_attn = LlamaAttention(config, backend, qkv_bias, o_bias)
-        self.mlp = LlamaMLP(config, bias=getattr(config, "mlp_bias", False))
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        ops = platform.layer_ops
+        self.self_attn = LlamaAttention(config, platform, qkv_bias, o_bias)
+        self.mlp = LlamaMLP(config, getattr(config, "mlp_bias", False), ops)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
     def forward(self, rope, hidden_states, residual, attn_metadata):
         # The residual add is fused into the next norm: (norm(x + r), x + r).
@@ -87,13 +83,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, backend: AttentionBackend, qkv_bias: bool, o_bias: bool):
+    def __init__(self, config, platform: Platform, qkv_bias: bool, o_bias: bool):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, backend, qkv_bias, o_bias) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, platform, qkv_bias, o_bias) for _ in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, platform.layer_ops)
 
     def forward(self, input_ids, positions, attn_metadata) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None
@@ -116,17 +112,18 @@ class LlamaForCausalLM(nn.Module):
     QKV_BIAS: bool | None = None  # None: follow config.attention_bias
     O_BIAS: bool | None = None
 
-    def __init__(self, config, backend: AttentionBackend):
+    def __init__(self, config, platform: Platform):
         super().__init__()
         self.config = config
         attention_bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = attention_bias if self.QKV_BIAS is None else self.QKV_BIAS
         o_bias = attention_bias if self.O_BIAS is None else self.O_BIAS
-        self.model = LlamaModel(config, backend, qkv_bias, o_bias)
+        self.model = LlamaModel(config, platform, qkv_bias, o_bias)
         tied = self.model.embed_tokens if getattr(config, "tie_word_embeddings", False) else None
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] of the flat token batch."""
         return self.model(input_ids, positions, attn_metadata)
 

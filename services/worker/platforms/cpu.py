@@ -1,0 +1,86 @@
+"""The CPU platform: PyTorch with the compiled C kernels of csrc/ where they load.
+
+With the kernels (`--attention-backend auto`, the default): decode attention on the paged-decode
+kernel for the cache dtypes and head sizes it supports (else PyTorch attention), and residual add
++ RMSNorm, float32 SiLU-and-mul and RoPE + KV cache write as single kernel calls. Without them
+(`--attention-backend torch`, or a library that did not build): PyTorch throughout. Weights are
+prepacked for oneDNN (float32, and bfloat16 where the CPU has bfloat16 arithmetic), or 16-bit
+weights get a float32 copy for batches; the KV cache gets the `--kv-cache-bytes` budget.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from services.worker.attention.backend import AttentionBackend
+from services.worker.attention.cpu_backend import CpuAttentionBackend
+from services.worker.attention.cpu_decode import PagedDecodeKernel
+from services.worker.attention.torch_backend import TorchAttentionBackend
+from services.worker.config import RunnerConfig, WorkerConfig, cpu_has_native_bf16
+from services.worker.cpu_kernels import load_cpu_kernels
+from services.worker.kv_cache import KVCacheLayout
+from services.worker.layers.fused_ops import CpuLayerOps, FusedOps
+from services.worker.layers.layer_ops import LayerOps, TorchLayerOps
+from services.worker.layers.linear import add_float32_copies, can_prepack, prepack_cpu_weights
+from services.worker.platforms.interface import AttentionHeads, Platform
+from services.worker.sampler import TorchSampler
+
+logger = logging.getLogger(__name__)
+
+
+class CpuPlatform(Platform):
+    name = "cpu"
+
+    def __init__(self, dtype: torch.dtype, attention_backend: AttentionBackend, layer_ops: LayerOps, *,
+                 float32_copy: bool, kv_cache_bytes: int = WorkerConfig.kv_cache_bytes,
+                 native_bf16: bool | None = None):
+        """`float32_copy`: 16-bit weights also get a float32 packed copy for batches, unless the CPU
+        multiplies bfloat16 natively. `kv_cache_bytes`: the KV cache budget (default: the flag's).
+        `native_bf16`: None asks this CPU (`cpu_has_native_bf16`)."""
+        self.device = torch.device("cpu")
+        self.dtype = dtype
+        self.attention_backend = attention_backend
+        self.layer_ops = layer_ops
+        self.sampler = TorchSampler()
+        self.kv_cache_budget_bytes = kv_cache_bytes
+        self.native_bf16 = cpu_has_native_bf16() if native_bf16 is None else native_bf16
+        self.float32_copy = float32_copy and not self.native_bf16
+
+    @classmethod
+    def from_config(cls, config: WorkerConfig, dtype: torch.dtype, heads: AttentionHeads) -> CpuPlatform:
+        kernels = None
+        if config.attention_backend != "torch":
+            kernels = load_cpu_kernels(Path(config.cache_dir) if config.cache_dir else None)
+        backend, layer_ops = _backend_and_ops(kernels, dtype, heads)
+        return cls(dtype, backend, layer_ops, kv_cache_bytes=config.kv_cache_bytes,
+                   float32_copy=config.cpu_float32_copy)
+
+    def process_weights_after_loading(self, model: nn.Module) -> str:
+        num_packed = num_copied = 0
+        if can_prepack(self.device, self.dtype, native_bf16=self.native_bf16):
+            num_packed = prepack_cpu_weights(model)
+        is_16bit = self.dtype in (torch.bfloat16, torch.float16)
+        if self.float32_copy and is_16bit and not num_packed:  # natively packed weights need no copy
+            num_copied = add_float32_copies(model)
+        return f"{num_packed} matmul weights prepacked, {num_copied} with a float32 copy"
+
+    def kv_cache_bytes(self, model: nn.Module, layout: KVCacheLayout, config: RunnerConfig) -> int:
+        return self.kv_cache_budget_bytes
+
+
+def _backend_and_ops(kernels: ctypes.CDLL | None, dtype: torch.dtype,
+                     heads: AttentionHeads) -> tuple[AttentionBackend, LayerOps]:
+    """Decode tokens on the compiled kernel where it serves the cache dtype (the model's) and the
+    heads; the fused layer ops wherever the library loaded."""
+    if kernels is None:
+        return TorchAttentionBackend(), TorchLayerOps()
+    layer_ops = CpuLayerOps(FusedOps(kernels))
+    kernel = PagedDecodeKernel(kernels)
+    if not kernel.supports(dtype, heads.head_dim, heads.num_heads, heads.num_kv_heads):
+        logger.info("no compiled decode kernel for %s, %s: PyTorch decode attention", dtype, heads)
+        return TorchAttentionBackend(), layer_ops
+    return CpuAttentionBackend(kernel), layer_ops
