@@ -71,10 +71,9 @@ def in_process_step_costs(num_running: int, num_steps: int = 30) -> dict:
         so_bytes, t_enc_so = _timed(lambda: encoder.encode(so).SerializeToString())
         so_worker, t_dec_so = _timed(lambda: decoder.decode(worker_pb2.SchedulerOutput.FromString(so_bytes)))
         ro, t_fake = _timed(runner.execute_model, so_worker)
-        ro_bytes, t_enc_ro = _timed(lambda: worker_codec.model_runner_output_to_pb(
-            ro, list(so_worker.num_scheduled_tokens)).SerializeToString())
-        ro_sched, t_dec_ro = _timed(lambda: worker_codec.model_runner_output_from_pb(
-            worker_pb2.ModelRunnerOutput.FromString(ro_bytes), list(so.num_scheduled_tokens)))
+        ro_bytes, t_enc_ro = _timed(lambda: decoder.encode_output(ro).SerializeToString())
+        ro_sched, t_dec_ro = _timed(lambda: encoder.decode_output(
+            worker_pb2.ExecuteModelResponse.FromString(ro_bytes)))
         eco, t_update = _timed(scheduler.update_from_output, so, ro_sched)
         eco.scheduler_stats, eco.timestamp = scheduler.get_stats(), time.time()
         eco_bytes, t_enc_eco = _timed(lambda: outputs_encoder.encode(eco).SerializeToString())

@@ -1,14 +1,31 @@
 """Converts the scheduler <-> worker protobuf messages (worker.proto) to the plain dataclasses of
 `messages` and back. Sampling params and logprobs are engine_core.proto types, converted by `codec`.
 
-SchedulerOutput and ModelRunnerOutput travel in columns, as `codec` explains. In the steady decode
-step neither carries request ids: a step whose requests are the last step's, in the same order,
-says so with one flag (each end of the stream keeps the last step's order, `step_order`), and an
-output for exactly the step's scheduled requests says so with another.
+SchedulerOutput and ModelRunnerOutput travel in columns, as `codec` explains. On the step stream a
+message also leaves out what the other end can work out, and that is done here only: what the
+scheduler and the runner see is always the complete dataclass. Each end of a stream keeps what it
+needs (`StepEncoder` at the scheduler, `StepDecoder` at the worker; a new stream, a new pair):
+
+- A step whose requests are all cached, none resumed, exactly the last step's in its batch order,
+  and each with `num_computed_tokens` equal to its count in the last step plus the tokens it was
+  scheduled then, is sent with `req_ids_as_last_step` and neither ids nor counts; the worker's end
+  fills both in. The scheduler counts a step's tokens as computed when it schedules them (async
+  scheduling schedules the next step on those counts, before this one's output is back), so a
+  steady decode step follows the rule; the scheduler's end checks every count and sends a step
+  that does not in full.
+- An output whose requests are its step's scheduled ones (those given tokens), in batch order, is
+  sent with `req_ids_as_scheduled` and no ids; the scheduler's end keeps the scheduled ids of each
+  step in flight, oldest first, as the worker answers steps in the order they were sent.
+- A step the worker failed to decode or run leaves nothing to refer to: the worker refuses a step
+  sent against it, and the scheduler's end, told so by the failed step's answer, sends its next
+  step in full.
 """
 from __future__ import annotations
 
+from collections import deque
+from dataclasses import dataclass
 from itertools import chain
+from operator import add
 
 from services.common import messages as m
 from services.common.codec import (
@@ -25,31 +42,41 @@ from services.common.codec import (
 from services.common.pb import worker_pb2 as w_pb
 
 
+class StepFailed(Exception):
+    """The worker answered a step with an error (the message says why)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _LastStep:
+    """What the step after this one may leave out."""
+
+    order: list[str]  # batch order: new requests, then cached ones
+    next_num_computed: list[int]  # per request: num_computed_tokens + num_scheduled_tokens
+
+
 def _counts(lists: list[list[int]]) -> list[int]:
     """One count per list, or none when every list is empty (the column is then omitted)."""
     counts = list(map(len, lists))
     return counts if any(counts) else []
 
 
-def step_order(s: m.SchedulerOutput) -> list[str]:
-    """The step's batch order, as the scheduler built it: new requests, then cached ones."""
-    return [r.req_id for r in s.scheduled_new_reqs] + s.scheduled_cached_reqs.req_ids
-
-
-def scheduler_output_to_pb(s: m.SchedulerOutput, last_order: list[str] | None = None) -> w_pb.SchedulerOutput:
-    """`last_order`: the `step_order` of the step sent before this one on the same stream, if any."""
+def _encode_step(s: m.SchedulerOutput, last: _LastStep | None
+                 ) -> tuple[w_pb.SchedulerOutput, _LastStep, list[str]]:
+    """The step's message, what the next step may refer to, and the step's scheduled ids."""
     c = s.scheduled_cached_reqs
     new_reqs = s.scheduled_new_reqs
-    order = step_order(s)
+    order = [r.req_id for r in new_reqs] + c.req_ids
     counts = s.num_scheduled_tokens
     # The dict's key order is the batch order whenever it holds every request (the scheduler's case).
-    num_scheduled = list(counts.values()) if len(counts) == len(order) and list(counts) == order \
-        else [counts.get(req_id, 0) for req_id in order]
+    in_order = len(counts) == len(order) and list(counts) == order
+    num_scheduled = list(counts.values()) if in_order else [counts.get(req_id, 0) for req_id in order]
+    one_each = num_scheduled.count(1) == len(num_scheduled)  # a decode step
     is_resumed = c.resumed_from_preemption
     any_resumed = any(is_resumed)
     resumed = [t for t, r in zip(c.resumed_token_ids, is_resumed) if r] if any_resumed else []
-    as_last_step = bool(last_order) and not new_reqs and not any_resumed and c.req_ids == last_order
-    return w_pb.SchedulerOutput(
+    as_last_step = last is not None and bool(last.order) and not new_reqs and not any_resumed \
+        and c.req_ids == last.order and c.num_computed_tokens == last.next_num_computed
+    msg = w_pb.SchedulerOutput(
         scheduled_new_reqs=[
             w_pb.NewRequestData(
                 req_id=r.req_id,
@@ -71,20 +98,21 @@ def scheduler_output_to_pb(s: m.SchedulerOutput, last_order: list[str] | None = 
             resumed_token_ids=list(chain.from_iterable(resumed)),
             num_resumed_token_ids=list(map(len, resumed)),
         ),
-        num_scheduled_tokens=[] if num_scheduled.count(1) == len(num_scheduled) else num_scheduled,
+        num_scheduled_tokens=[] if one_each else num_scheduled,
         total_num_scheduled_tokens=s.total_num_scheduled_tokens,
         finished_req_ids=sorted(s.finished_req_ids),
         preempted_req_ids=sorted(s.preempted_req_ids),
         step_id=s.step_id,
     )
+    num_computed = [r.num_computed_tokens for r in new_reqs] + c.num_computed_tokens if new_reqs \
+        else c.num_computed_tokens
+    # The worker's view of the scheduled ids: the decoded dict, batch order, no zero counts.
+    scheduled = order if in_order and (one_each or 0 not in num_scheduled) \
+        else [r for r, n in zip(order, num_scheduled) if n]
+    return msg, _LastStep(order, list(map(add, num_computed, num_scheduled))), scheduled
 
 
-def scheduler_output_from_pb(msg: w_pb.SchedulerOutput, last_order: list[str] | None = None) -> m.SchedulerOutput:
-    """`last_order`: the `step_order` of the step received before this one on the same stream.
-
-    A step sent as "the last step's requests" decodes with empty `num_computed_tokens`: the worker's
-    own counts stand.
-    """
+def _decode_step(msg: w_pb.SchedulerOutput, last: _LastStep | None) -> tuple[m.SchedulerOutput, _LastStep]:
     c = msg.scheduled_cached_reqs
     new_reqs = [
         m.NewRequestData(
@@ -97,7 +125,12 @@ def scheduler_output_from_pb(msg: w_pb.SchedulerOutput, last_order: list[str] | 
         )
         for r in msg.scheduled_new_reqs
     ]
-    req_ids = ids_or_referred(c.req_ids, c.req_ids_as_last_step, last_order, "the last step's requests")
+    if c.req_ids_as_last_step:
+        if last is None:
+            raise ValueError("a step refers to the last step's requests, which this end of the stream does not have")
+        req_ids, num_computed = list(last.order), list(last.next_num_computed)
+    else:
+        req_ids, num_computed = list(c.req_ids), list(c.num_computed_tokens)
     num_reqs = len(req_ids)
     is_resumed = list(c.resumed_from_preemption) or [False] * num_reqs
     if c.num_new_block_ids:
@@ -111,23 +144,37 @@ def scheduler_output_from_pb(msg: w_pb.SchedulerOutput, last_order: list[str] | 
         for i in (i for i, r in enumerate(is_resumed) if r):
             resumed_token_ids[i] = next(tokens)
     order = [r.req_id for r in new_reqs] + req_ids
-    return m.SchedulerOutput(
+    num_scheduled = list(msg.num_scheduled_tokens) or [1] * len(order)
+    s = m.SchedulerOutput(
         scheduled_new_reqs=new_reqs,
         scheduled_cached_reqs=m.CachedRequestData(
             req_ids=req_ids,
             resumed_from_preemption=is_resumed,
             new_block_ids=new_block_ids,
-            num_computed_tokens=list(c.num_computed_tokens),
+            num_computed_tokens=num_computed,
             resumed_token_ids=resumed_token_ids,
         ),
         # Key order is the batch order; requests given no tokens were not in the decision.
-        num_scheduled_tokens={r: n for r, n in zip(order, msg.num_scheduled_tokens) if n}
+        num_scheduled_tokens={r: n for r, n in zip(order, num_scheduled) if n}
         if msg.num_scheduled_tokens else dict.fromkeys(order, 1),
         total_num_scheduled_tokens=msg.total_num_scheduled_tokens,
         finished_req_ids=set(msg.finished_req_ids),
         preempted_req_ids=set(msg.preempted_req_ids),
         step_id=msg.step_id,
     )
+    if new_reqs:
+        num_computed = [r.num_computed_tokens for r in new_reqs] + num_computed
+    return s, _LastStep(order, list(map(add, num_computed, num_scheduled)))
+
+
+def scheduler_output_to_pb(s: m.SchedulerOutput) -> w_pb.SchedulerOutput:
+    """A step in full, as the first on a stream is sent."""
+    return _encode_step(s, None)[0]
+
+
+def scheduler_output_from_pb(msg: w_pb.SchedulerOutput) -> m.SchedulerOutput:
+    """A step sent in full."""
+    return _decode_step(msg, None)[0]
 
 
 def model_runner_output_to_pb(o: m.ModelRunnerOutput, scheduled: list[str] | None = None
@@ -155,7 +202,7 @@ def model_runner_output_to_pb(o: m.ModelRunnerOutput, scheduled: list[str] | Non
 
 def model_runner_output_from_pb(msg: w_pb.ModelRunnerOutput, scheduled: list[str] | None = None
                                 ) -> m.ModelRunnerOutput:
-    """`scheduled`: the step's scheduled request ids in batch order, as sent to the worker."""
+    """`scheduled`: the step's scheduled request ids in batch order, as the worker decoded them."""
     req_ids = ids_or_referred(msg.req_ids, msg.req_ids_as_scheduled, scheduled, "its step's requests")
     sampled = split_one_each_or_counts(list(msg.sampled_token_ids), list(msg.num_sampled_token_ids))
     logprobs: list[m.TokenLogprobs | None] = [None] * len(req_ids)
@@ -181,33 +228,56 @@ def kv_cache_spec_from_pb(msg: w_pb.DescribeKVCacheResponse) -> m.KVCacheSpec:
 
 
 class StepEncoder:
-    """The scheduler's end of one step stream: each step is encoded against the one sent before it."""
+    """The scheduler's end of one step stream: encodes each step against the one sent before it and
+    decodes each answer against the step it answers, the oldest one in flight."""
 
     def __init__(self) -> None:
-        self.last_order: list[str] | None = None
+        self._last: _LastStep | None = None  # the step sent last, unless an answer said a step failed
+        self._in_flight: deque[tuple[int, list[str]]] = deque()  # (step_id, scheduled ids), oldest first
 
     def encode(self, s: m.SchedulerOutput) -> w_pb.SchedulerOutput:
-        msg = scheduler_output_to_pb(s, self.last_order)
-        self.last_order = step_order(s)
+        msg, self._last, scheduled = _encode_step(s, self._last)
+        self._in_flight.append((s.step_id, scheduled))
         return msg
+
+    def decode_output(self, response: w_pb.ExecuteModelResponse) -> m.ModelRunnerOutput:
+        """The output of the oldest step in flight. Raises StepFailed if the worker failed that step;
+        ValueError if the answer is not that step's (the stream is out of step)."""
+        out = response.model_runner_output
+        if not self._in_flight:
+            raise ValueError(f"an answer for step {out.step_id}, but no step is in flight")
+        step_id, scheduled = self._in_flight.popleft()
+        if out.step_id != step_id:
+            raise ValueError(f"an answer for step {out.step_id} where step {step_id} was due")
+        if response.error_message:
+            self._last = None  # the worker kept nothing of the failed step: the next step goes in full
+            raise StepFailed(response.error_message)
+        return model_runner_output_from_pb(out, scheduled)
 
 
 class StepDecoder:
-    """The worker's end of one step stream: each step is decoded against the one received before it."""
+    """The worker's end of one step stream: decodes each step against the last one that ran, and
+    encodes each step's answer. Every step decoded must be answered before the next is decoded."""
 
     def __init__(self) -> None:
-        self.last_order: list[str] | None = None
+        self._last: _LastStep | None = None  # the last step answered with an output
+        self._current: tuple[_LastStep, list[str]] | None = None  # decoded, not answered; scheduled ids
 
     def decode(self, msg: w_pb.SchedulerOutput) -> m.SchedulerOutput:
-        try:
-            s = scheduler_output_from_pb(msg, self.last_order)
-        except Exception:
-            self.forget()
-            raise
-        self.last_order = step_order(s)
+        last, self._last = self._last, None  # until this step has run, the next may not refer to it
+        s, step = _decode_step(msg, last)
+        self._current = (step, list(s.num_scheduled_tokens))
         return s
 
-    def forget(self) -> None:
-        """After a step that failed: a later step sent against it is refused rather than run on this
-        end's counts, which the failed step may have left behind the scheduler's."""
-        self.last_order = None
+    def encode_output(self, o: m.ModelRunnerOutput) -> w_pb.ExecuteModelResponse:
+        """The answer of the step decoded last, which ran: the next step may refer to it."""
+        if self._current is None:
+            raise RuntimeError("no step decoded to answer")
+        (self._last, scheduled), self._current = self._current, None
+        return w_pb.ExecuteModelResponse(model_runner_output=model_runner_output_to_pb(o, scheduled))
+
+    def encode_failure(self, step_id: int, message: str) -> w_pb.ExecuteModelResponse:
+        """The answer of a step that failed to decode or to run: the next step may not refer to it."""
+        self._current = None
+        return w_pb.ExecuteModelResponse(model_runner_output=w_pb.ModelRunnerOutput(step_id=step_id),
+                                         error_message=message)

@@ -30,7 +30,7 @@ class WorkerClient:
         self._channel: grpc.aio.Channel | None = None
         self._stub: worker_pb2_grpc.WorkerServiceStub | None = None
         self._stream = None
-        self._encoder = worker_codec.StepEncoder()
+        self._steps: worker_codec.StepEncoder | None = None  # this end of the stream, one per stream
 
     async def connect(self, timeout_s: float = 5.0) -> KVCacheSpec:
         """Opens the channel and asks the worker how big its KV cache can be."""
@@ -51,7 +51,7 @@ class WorkerClient:
         try:
             await self._stub.InitializeKVCache(worker_pb2.InitializeKVCacheRequest(num_blocks=num_blocks), timeout=600)
             self._stream = self._stub.ExecuteModel()
-            self._encoder = worker_codec.StepEncoder()  # a new stream: the first step is sent in full
+            self._steps = worker_codec.StepEncoder()  # a new stream: nothing to refer to at either end
         except grpc.aio.AioRpcError as exc:
             raise WorkerUnavailable(f"worker at {self.address}: {exc.code().name} {exc.details()}") from exc
 
@@ -59,15 +59,15 @@ class WorkerClient:
         """Sends a step; the worker runs steps in the order they are sent, one output each."""
         if self._stream is None:
             raise WorkerUnavailable("no stream to the worker")
-        request = worker_pb2.ExecuteModelRequest(scheduler_output=self._encoder.encode(scheduler_output))
+        request = worker_pb2.ExecuteModelRequest(scheduler_output=self._steps.encode(scheduler_output))
         try:
             await self._stream.write(request)
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
             self._stream = None
             raise WorkerUnavailable(f"worker stream broke: {exc}") from exc
 
-    async def receive(self, step: SchedulerOutput) -> ModelRunnerOutput:
-        """The output of `step`, the oldest step sent and not yet received."""
+    async def receive(self) -> ModelRunnerOutput:
+        """The output of the oldest step sent and not yet received."""
         if self._stream is None:
             raise WorkerUnavailable("no stream to the worker")
         try:
@@ -78,10 +78,14 @@ class WorkerClient:
         if response is grpc.aio.EOF:
             self._stream = None
             raise WorkerUnavailable("worker closed the stream")
-        if response.error_message:
-            self._encoder = worker_codec.StepEncoder()  # the next step goes in full, whatever the worker kept
-            raise WorkerStepError(response.error_message)
-        return worker_codec.model_runner_output_from_pb(response.model_runner_output, list(step.num_scheduled_tokens))
+        try:
+            return self._steps.decode_output(response)
+        except worker_codec.StepFailed as exc:
+            raise WorkerStepError(str(exc)) from None
+        except ValueError as exc:  # an answer out of step: only a new stream can recover
+            self._stream.cancel()
+            self._stream = None
+            raise WorkerUnavailable(f"worker stream out of step: {exc}") from exc
 
     def is_stream_open(self) -> bool:
         """False once the step stream has ended (the worker died or closed it)."""

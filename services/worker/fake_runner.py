@@ -31,7 +31,7 @@ FAKE_MAX_MODEL_LEN = 8192  # the model's max_position_embeddings; --max-model-le
 FAKE_TOKEN_ID = 260  # " the": never an EOS id, so requests end by max_tokens
 
 
-@dataclass
+@dataclass(slots=True)  # touched per request per step
 class _FakeRequestState:
     num_tokens: int  # prompt + sampled tokens the worker knows
     num_computed_tokens: int
@@ -91,16 +91,16 @@ class FakeModelRunner:
             self.requests[new.req_id] = _FakeRequestState(
                 len(new.prompt_token_ids), new.num_computed_tokens, new.sampling_params.logprobs is not None)
         cached = so.scheduled_cached_reqs
-        if not cached.num_computed_tokens:
-            return  # the last step's requests again: this worker's counts stand
-        for i, req_id in enumerate(cached.req_ids):
-            state = self.requests.get(req_id)
-            if state is None:
-                raise ValueError(f"scheduler sent cached request {req_id!r} that this worker does not hold")
-            state.num_computed_tokens = cached.num_computed_tokens[i]
-            tokens = cached.resumed_token_ids[i] if i < len(cached.resumed_token_ids) else []
+        requests = self.requests
+        try:
+            for req_id, num_computed in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
+                requests[req_id].num_computed_tokens = num_computed
+        except KeyError as exc:
+            raise ValueError(f"scheduler sent cached request {exc.args[0]!r} that this worker does not hold") from None
+        # Resumed requests come first (the scheduler sends a token list for those only).
+        for req_id, tokens in zip(cached.req_ids, cached.resumed_token_ids):
             if tokens:  # resumed after preemption: the resent tokens are the truth
-                state.num_tokens = len(tokens)
+                requests[req_id].num_tokens = len(tokens)
 
 
 def load_fake_model(config: WorkerConfig, dtype: torch.dtype) -> tuple[FakeModelRunner, KVCacheSpec]:

@@ -4,13 +4,13 @@ flat inputs, runs the model and samples.
 Per step (`execute_model`):
 1. drop finished requests, take preempted ones out of the batch (their state is kept for a resume);
 2. add new requests; for cached ones append new blocks and take the scheduler's num_computed_tokens
-   when sent (a steady decode step leaves them out: the runner's own counts stand; a resumed
-   request replaces its block table and, if sent, its tokens);
+   (a resumed request replaces its block table and, if sent, its tokens);
 3. for the requests in `num_scheduled_tokens` order, build input ids, positions, slot mapping,
    query start locations, sequence lengths and block tables;
 4. forward; logits only for the last scheduled token of requests whose computed tokens reach the
    end of their known tokens (a partial prefill chunk samples nothing);
-5. sample, and append each sampled token to its request: the scheduler never resends them.
+5. sample, and append each sampled token to its request: the scheduler never resends them. The
+   runner never advances a count itself: every step brings the scheduler's.
 """
 from __future__ import annotations
 
@@ -103,8 +103,6 @@ class ModelRunner:
         logprobs = [None] * len(inputs.req_ids)
         if logits is not None:
             self._sample(inputs, logits, sampled, logprobs)
-        for row, n in zip(inputs.rows.tolist(), inputs.num_scheduled_tokens.tolist()):
-            self.input_batch.set_num_computed_tokens(row, int(self.input_batch.num_computed_tokens_cpu[row]) + n)
         done = time.perf_counter_ns()
         return ModelRunnerOutput(
             req_ids=inputs.req_ids,
@@ -136,31 +134,28 @@ class ModelRunner:
             self.requests[new.req_id] = state
             batch.add_request(state)
         cached = so.scheduled_cached_reqs
-        if cached.num_computed_tokens:
-            for i in range(cached.num_reqs):
-                self._update_cached_request(cached, i)
-        else:  # the last step's requests again (a steady decode step): only new blocks to append
-            for req_id, new_block_ids in zip(cached.req_ids, cached.new_block_ids):
-                if new_block_ids:
-                    row = batch.req_id_to_index.get(req_id)
-                    if row is None:
-                        raise ValueError(f"scheduler sent cached request {req_id!r} that this worker does not hold")
-                    batch.append_block_ids(row, new_block_ids)
+        rows = batch.req_id_to_index
+        for i, (req_id, new_block_ids, num_computed, is_resumed) in enumerate(zip(
+                cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, cached.resumed_from_preemption,
+                strict=True)):
+            row = rows.get(req_id)
+            if row is None or is_resumed:
+                self._add_cached_request(cached, i)
+                continue
+            # The common case, a running request's delta: a block now and then, and its count.
+            if new_block_ids:
+                batch.append_block_ids(row, new_block_ids)
+            batch.set_num_computed_tokens(row, num_computed)
         batch.condense()
 
-    def _update_cached_request(self, cached: CachedRequestData, i: int) -> None:
+    def _add_cached_request(self, cached: CachedRequestData, i: int) -> None:
+        """(Re)builds the row of a held request that is resumed or out of the batch."""
         req_id = cached.req_ids[i]
         state = self.requests.get(req_id)
         if state is None:
             raise ValueError(f"scheduler sent cached request {req_id!r} that this worker does not hold")
-        new_block_ids = cached.new_block_ids[i] if i < len(cached.new_block_ids) else []
-        is_resumed = i < len(cached.resumed_from_preemption) and cached.resumed_from_preemption[i]
-        row = self.input_batch.req_id_to_index.get(req_id)
-        if row is not None and not is_resumed:  # the common case: a running request's delta
-            self.input_batch.append_block_ids(row, new_block_ids)
-            self.input_batch.set_num_computed_tokens(row, cached.num_computed_tokens[i])
-            return
-        if is_resumed:  # recomputed from scratch in new blocks; resent tokens are the truth
+        new_block_ids = cached.new_block_ids[i]
+        if cached.resumed_from_preemption[i]:  # recomputed from scratch in new blocks; resent tokens are the truth
             state.block_ids = list(new_block_ids)
             tokens = cached.resumed_token_ids[i] if i < len(cached.resumed_token_ids) else []
             if tokens:

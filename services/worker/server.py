@@ -63,30 +63,25 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     async def ExecuteModel(self, request_iterator, context):
         await self._require_ready(context)
-        decoder = codec.StepDecoder()  # steps are diffs against the one before, on this stream
+        steps = codec.StepDecoder()  # this stream's end: each step may refer to the one before
         async for request in request_iterator:
-            yield await self._run(self._step, request, decoder)
+            yield await self._run(self._step, request, steps)
 
-    def _step(self, request: worker_pb2.ExecuteModelRequest, decoder: codec.StepDecoder
+    def _step(self, request: worker_pb2.ExecuteModelRequest, steps: codec.StepDecoder
               ) -> worker_pb2.ExecuteModelResponse:
         step_id = request.scheduler_output.step_id
         start_s = time.time()
         try:
-            scheduler_output = decoder.decode(request.scheduler_output)
+            scheduler_output = steps.decode(request.scheduler_output)
             output = self.worker.execute_model(scheduler_output)
             self.metrics.on_step(scheduler_output, output)
             if self.tracer is not None:
                 self.tracer.on_step(scheduler_output, output, start_s, time.time())
-            return worker_pb2.ExecuteModelResponse(model_runner_output=codec.model_runner_output_to_pb(
-                output, list(scheduler_output.num_scheduled_tokens)))
+            return steps.encode_output(output)
         except Exception as exc:  # noqa: BLE001 - any failure is reported to the scheduler, not raised
             logger.exception("step %d failed", step_id)
-            decoder.forget()
             self.metrics.on_step_failed()
-            return worker_pb2.ExecuteModelResponse(
-                model_runner_output=worker_pb2.ModelRunnerOutput(step_id=step_id),
-                error_message=f"worker step {step_id} failed: {type(exc).__name__}: {exc}",
-            )
+            return steps.encode_failure(step_id, f"worker step {step_id} failed: {type(exc).__name__}: {exc}")
 
 
 class WorkerServer:

@@ -3,7 +3,8 @@
 A worker stand-in samples a token that depends only on the position (and EOS at a set output
 index), so a pipelined run must give every request exactly the tokens and finish of a run that
 waits for each output, through chunked prefill, stop tokens, length limits and preemption, and
-leave no block held and no request state on the worker.
+leave no block held and no request state on the worker. Steps and outputs cross the step stream's
+codec, so the worker decodes each step complete, with the scheduler's counts, in every case.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from collections import defaultdict, deque
 import pytest
 import torch
 
+from services.common import worker_codec
 from services.common.messages import EngineCoreRequest, FinishReason, KVCacheSpec, SamplingParams
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine_core import EngineCore
@@ -20,6 +22,7 @@ from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 from services.worker.fake_runner import FakeModelRunner
 from services.worker.kv_cache import KVCacheLayout
+from tests.step_outputs import per_request
 
 EOS = 2
 BLOCK_SIZE = 4
@@ -49,6 +52,20 @@ def _requests() -> list[Request]:
             for i, (req_id, prompt_len, max_tokens) in enumerate(specs)]
 
 
+def _wire(msg):
+    return type(msg).FromString(msg.SerializeToString())
+
+
+def _assert_decoded_as_scheduled(decoded, so) -> None:
+    """What the worker's end decoded is the scheduler's step, whatever the message left out."""
+    d, c = decoded.scheduled_cached_reqs, so.scheduled_cached_reqs
+    assert (d.req_ids, d.num_computed_tokens, d.new_block_ids, d.resumed_from_preemption) == \
+        (c.req_ids, c.num_computed_tokens, c.new_block_ids, c.resumed_from_preemption)
+    assert d.resumed_token_ids[:len(c.resumed_token_ids)] == c.resumed_token_ids  # the resumed ones come first
+    assert list(decoded.num_scheduled_tokens.items()) == list(so.num_scheduled_tokens.items())
+    assert decoded.scheduled_new_reqs == so.scheduled_new_reqs
+
+
 def _run(num_blocks: int, pipelined: bool) -> tuple[dict, dict, Scheduler, ScriptedRunner]:
     requests = _requests()
     # b stops on EOS after 7 tokens of its 14; d's EOS comes after its length limit, so it never shows.
@@ -59,16 +76,33 @@ def _run(num_blocks: int, pipelined: bool) -> tuple[dict, dict, Scheduler, Scrip
     tokens: dict[str, list[int]] = defaultdict(list)
     finishes: dict[str, FinishReason] = {}
     in_flight: deque = deque()
+    encoder, decoder = worker_codec.StepEncoder(), worker_codec.StepDecoder()
+    # Whether each step went without ids and counts, and whether its requests were the last step's.
+    elided, same_requests, last_order = [], [], []
     for _ in range(2000):
         if not (scheduler.has_unfinished_requests() or scheduler.finished_req_ids or in_flight):
+            # The scheduler's counts followed the rule in every step with the last step's requests
+            # (pipelined too: a step's tokens count as computed once scheduled), so each was elided.
+            assert elided == same_requests and sum(elided) > 0
             return tokens, finishes, scheduler, runner
         if scheduler.has_unfinished_requests() or scheduler.finished_req_ids:
             so = scheduler.schedule()
-            in_flight.append((so, runner.execute_model(so)))  # the worker runs steps in the order sent
+            msg = _wire(encoder.encode(so))
+            decoded = decoder.decode(msg)
+            _assert_decoded_as_scheduled(decoded, so)
+            cached = so.scheduled_cached_reqs
+            elided.append(msg.scheduled_cached_reqs.req_ids_as_last_step)
+            same_requests.append(bool(last_order) and not so.scheduled_new_reqs
+                                 and not any(cached.resumed_from_preemption) and cached.req_ids == last_order)
+            last_order = [r.req_id for r in so.scheduled_new_reqs] + cached.req_ids
+            # The worker runs steps in the order sent; the answer is read later.
+            in_flight.append((so, _wire(decoder.encode_output(runner.execute_model(decoded)))))
             if pipelined and len(in_flight) < 2 and so.total_num_scheduled_tokens:
                 continue
-        so, ro = in_flight.popleft()
-        for output in scheduler.update_from_output(so, ro).all_outputs():
+        so, answer = in_flight.popleft()
+        ro = encoder.decode_output(answer)
+        assert ro.step_id == so.step_id
+        for output in per_request(scheduler.update_from_output(so, ro)):
             tokens[output.request_id] += output.new_token_ids
             if output.finished:
                 assert output.request_id not in finishes
@@ -104,7 +138,8 @@ def test_a_step_in_flight_that_samples_the_last_token_is_not_followed_by_another
 
 
 class InProcessWorker:
-    """The WorkerClient interface over a FakeModelRunner: each step runs as it is submitted."""
+    """The WorkerClient interface over a FakeModelRunner: each step runs as it is submitted, and
+    steps and answers cross the step stream's codec as over gRPC."""
 
     address = "in-process"
 
@@ -118,23 +153,32 @@ class InProcessWorker:
 
     async def initialize(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
+        self.steps, self.worker_end = worker_codec.StepEncoder(), worker_codec.StepDecoder()  # a new stream
 
     async def submit(self, scheduler_output) -> None:
-        self.outputs.append(self.runner.execute_model(scheduler_output))
+        decoded = self.worker_end.decode(_wire(self.steps.encode(scheduler_output)))
+        _assert_decoded_as_scheduled(decoded, scheduler_output)
+        self.outputs.append(_wire(self.worker_end.encode_output(self.runner.execute_model(decoded))))
         self.max_in_flight = max(self.max_in_flight, len(self.outputs))
 
-    async def receive(self, step):
+    async def receive(self):
         await asyncio.sleep(0)  # the output comes back later, as over gRPC
-        output = self.outputs.popleft()
-        assert output.step_id == step.step_id  # outputs come back in the order the steps went out
-        return output
+        return self.steps.decode_output(self.outputs.popleft())
 
     def is_stream_open(self) -> bool:
         return True
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
-def test_engine_core_keeps_at_most_two_steps_in_flight_and_drains_them(async_scheduling):
+def test_engine_core_keeps_at_most_two_steps_in_flight_and_drains_them(async_scheduling, monkeypatch):
+    update_from_output = Scheduler.update_from_output
+
+    def paired(scheduler, so, ro):
+        assert ro.step_id == so.step_id  # each output meets the step it answers
+        return update_from_output(scheduler, so, ro)
+
+    monkeypatch.setattr(Scheduler, "update_from_output", paired)
+
     async def run():
         worker = InProcessWorker()
         engine = EngineCore(SchedulerConfig(max_num_batched_tokens=16, async_scheduling=async_scheduling), worker)
@@ -150,7 +194,7 @@ def test_engine_core_keeps_at_most_two_steps_in_flight_and_drains_them(async_sch
         finished: set[str] = set()
         while len(finished) < 3:
             step = await asyncio.wait_for(queue.get(), 10)
-            for output in step.all_outputs():
+            for output in per_request(step):
                 tokens[output.request_id] += output.new_token_ids
                 if output.finished:
                     finished.add(output.request_id)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from services.common.messages import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
-from services.worker import model_loader
+from services.worker.platforms import cpu as cpu_platform
 from worker_helpers import VOCAB_SIZE, MiniScheduler, hf_greedy, make_runner
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -46,7 +46,7 @@ def test_bf16_float32_weight_copy_gives_the_same_greedy_tokens(model_fixture, re
     """bfloat16 weights on a CPU without native bfloat16: batches of more than 2 rows multiply on
     the float32 copy or on weights widened per call; both round one float32 product, so the
     tokens agree."""
-    monkeypatch.setattr(model_loader, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(cpu_platform, "cpu_has_native_bf16", lambda: False)
     model_dir = request.getfixturevalue(model_fixture)
     prompts = _prompts([23, 9, 41, 16], seed=4)
     with_copy = _bf16_greedy_tokens(model_dir, prompts, float32_copy=True)
@@ -61,9 +61,9 @@ def test_bf16_weights_prepacked_natively_give_the_same_greedy_tokens(model_fixtu
     bfloat16 with float32 sums, as the float32-copy path rounds its float32 products."""
     model_dir = request.getfixturevalue(model_fixture)
     prompts = _prompts([23, 9, 41, 16], seed=4)
-    monkeypatch.setattr(model_loader, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(cpu_platform, "cpu_has_native_bf16", lambda: False)
     with_copy = _bf16_greedy_tokens(model_dir, prompts, float32_copy=True)
-    monkeypatch.setattr(model_loader, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(cpu_platform, "cpu_has_native_bf16", lambda: True)
     runner = make_runner(model_dir, block_size=4, dtype=torch.bfloat16, float32_copy=True)
     packed = [m for m in runner.model.modules() if getattr(m, "weight_is_packed", False)]
     assert packed and all(m.packed_weight.dtype == torch.bfloat16 for m in packed)
@@ -135,6 +135,27 @@ def test_unknown_request_raises_and_empty_step(tiny_llama_dir):
             scheduled_cached_reqs=CachedRequestData(["ghost"], [False], [[]], [3], [[]]),
             num_scheduled_tokens={"ghost": 1}, total_num_scheduled_tokens=1,
         ))
+
+
+def test_cached_requests_take_the_schedulers_count_every_step(tiny_llama_dir):
+    """The count comes from the scheduler, not from what the runner computed: here it recomputes the
+    last prompt token with the sampled one (5 + 2 tokens; the runner's own 6 + 2 would exceed 7)."""
+    prompt = _prompts([6])["req-0"]
+    expected = hf_greedy(tiny_llama_dir, prompt, 2)
+    runner = make_runner(tiny_llama_dir, block_size=4)
+    out = runner.execute_model(SchedulerOutput(
+        scheduled_new_reqs=[NewRequestData("a", prompt, GREEDY, [1, 2], 0)],
+        num_scheduled_tokens={"a": 6}, total_num_scheduled_tokens=6, step_id=1))
+    assert out.sampled_token_ids == [[expected[0]]]
+    out = runner.execute_model(SchedulerOutput(
+        scheduled_cached_reqs=CachedRequestData(["a"], [False], [[]], [5], [[]]),
+        num_scheduled_tokens={"a": 2}, total_num_scheduled_tokens=2, step_id=2))
+    assert out.sampled_token_ids == [[expected[1]]]
+    # Without its count a cached request is refused: the runner keeps no count of its own to fall back on.
+    with pytest.raises(ValueError, match="shorter"):
+        runner.execute_model(SchedulerOutput(
+            scheduled_cached_reqs=CachedRequestData(["a"], [False], [[]], [], [[]]),
+            num_scheduled_tokens={"a": 1}, total_num_scheduled_tokens=1, step_id=3))
 
 
 def test_scheduling_more_tokens_than_known_raises(tiny_llama_dir):

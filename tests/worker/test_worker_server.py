@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -77,9 +78,22 @@ def test_describe_and_initialize(stub):
     assert response.num_blocks == 100 and response.kv_cache_bytes == 100 * spec.block_bytes
 
 
-def test_execute_model_stream(stub, tiny_llama_dir):
+def _recording(monkeypatch, server):
+    """Records the SchedulerOutput each step hands the runner (what the worker's end decoded)."""
+    seen, execute = [], server.worker.execute_model
+
+    def record(so):
+        seen.append(so)
+        return execute(so)
+
+    monkeypatch.setattr(server.worker, "execute_model", record)
+    return seen
+
+
+def test_execute_model_stream(stub, server, tiny_llama_dir, monkeypatch):
     stub, _ = stub
     stub.InitializeKVCache(worker_pb2.InitializeKVCacheRequest(num_blocks=64))
+    seen = _recording(monkeypatch, server)
     prompt = [11, 22, 33, 44, 55, 66, 77]
     expected = hf_greedy(tiny_llama_dir, prompt, 3)
     greedy = SamplingParams(temperature=0.0, logprobs=2)
@@ -91,7 +105,8 @@ def test_execute_model_stream(stub, tiny_llama_dir):
                         num_scheduled_tokens={"ghost": 1}, total_num_scheduled_tokens=1, step_id=2),
         SchedulerOutput(scheduled_cached_reqs=CachedRequestData(["a"], [False], [[9]], [7], [[]]),
                         num_scheduled_tokens={"a": 1}, total_num_scheduled_tokens=1, step_id=3),
-        # the last step's requests again: sent without ids or counts, the worker's own count stands
+        # the last step's requests again, each count the last plus what it was scheduled: sent without
+        # ids or counts, and the runner still gets the scheduler's count
         SchedulerOutput(scheduled_cached_reqs=CachedRequestData(["a"], [False], [[]], [8], [[]]),
                         num_scheduled_tokens={"a": 1}, total_num_scheduled_tokens=1, step_id=4),
     ]
@@ -107,9 +122,14 @@ def test_execute_model_stream(stub, tiny_llama_dir):
     assert not third.error_message and not fourth.error_message, fourth.error_message
     assert failed.model_runner_output.step_id == 2
     assert first.model_runner_output.req_ids_as_scheduled and not first.model_runner_output.req_ids
-    out1, out3, out4 = (worker_codec.model_runner_output_from_pb(r.model_runner_output, ["a"])
-                        for r in (first, third, fourth))
+    assert [so.step_id for so in seen] == [1, 2, 3, 4]
+    assert seen[3].scheduled_cached_reqs.req_ids == ["a"] and seen[3].scheduled_cached_reqs.num_computed_tokens == [8]
+    out1 = encoder.decode_output(first)
+    with pytest.raises(worker_codec.StepFailed, match="ghost"):
+        encoder.decode_output(failed)
+    out3, out4 = encoder.decode_output(third), encoder.decode_output(fourth)
     assert out1.req_ids == ["a"] and out1.step_id == 1
+    assert out3.req_ids == ["a"] and out4.req_ids == ["a"] and out4.step_id == 4
     assert [out1.sampled_token_ids[0][0], out3.sampled_token_ids[0][0], out4.sampled_token_ids[0][0]] == expected
     assert out1.logprobs[0].rank == 1 and len(out1.logprobs[0].top_logprobs) == 2
 
@@ -117,32 +137,48 @@ def test_execute_model_stream(stub, tiny_llama_dir):
 def test_a_step_sent_against_a_failed_step_is_refused_not_run(stub, server, monkeypatch):
     stub, _ = stub
     stub.InitializeKVCache(worker_pb2.InitializeKVCacheRequest(num_blocks=64))
-    execute = server.worker.execute_model
+    ran, execute = [], server.worker.execute_model
 
-    def fail_step_2(so):
+    def run_or_fail(so):
+        ran.append(so.step_id)
         if so.step_id == 2:
             raise RuntimeError("injected failure")
         return execute(so)
 
-    monkeypatch.setattr(server.worker, "execute_model", fail_step_2)
+    monkeypatch.setattr(server.worker, "execute_model", run_or_fail)
     greedy = SamplingParams(temperature=0.0)
     decode = lambda step_id, num_computed: SchedulerOutput(  # noqa: E731
         scheduled_cached_reqs=CachedRequestData(["a"], [False], [[]], [num_computed], [[]]),
         num_scheduled_tokens={"a": 1}, total_num_scheduled_tokens=1, step_id=step_id)
+    # The scheduler's end, as async scheduling drives it: step 3 goes out before step 2's answer is read.
     encoder = worker_codec.StepEncoder()
+    outgoing: queue.Queue = queue.Queue()
     messages = [encoder.encode(SchedulerOutput(scheduled_new_reqs=[NewRequestData("a", [5, 6, 7], greedy, [3], 0)],
                                                num_scheduled_tokens={"a": 3}, total_num_scheduled_tokens=3, step_id=1)),
                 encoder.encode(decode(2, 3)),  # fails on the worker
                 encoder.encode(decode(3, 4))]  # already on its way, sent against step 2
-    encoder = worker_codec.StepEncoder()  # what the scheduler does on a failed step: the next goes in full
-    messages.append(encoder.encode(decode(4, 3)))  # in full: its count sets the worker's again
+    for m in messages:
+        outgoing.put(m)
+
+    def requests():
+        for _ in range(4):
+            yield worker_pb2.ExecuteModelRequest(scheduler_output=outgoing.get(timeout=60))
+
+    responses = stub.ExecuteModel(requests(), timeout=60)
+    out1 = encoder.decode_output(next(responses))
+    assert out1.req_ids == ["a"] and len(out1.sampled_token_ids[0]) == 1
+    with pytest.raises(worker_codec.StepFailed, match="injected failure"):
+        encoder.decode_output(next(responses))
+    with pytest.raises(worker_codec.StepFailed, match="last step"):
+        encoder.decode_output(next(responses))
+    # Told of the failure, the scheduler's end sends the next step in full: its count sets the worker's again.
+    messages.append(encoder.encode(decode(4, 3)))
+    outgoing.put(messages[-1])
+    out4 = encoder.decode_output(next(responses))
     assert [m.scheduled_cached_reqs.req_ids_as_last_step for m in messages] == [False, True, True, False]
-    responses = list(stub.ExecuteModel((worker_pb2.ExecuteModelRequest(scheduler_output=m) for m in messages),
-                                       timeout=60))
-    assert [bool(r.error_message) for r in responses] == [False, True, True, False]
-    assert "injected failure" in responses[1].error_message and "last step" in responses[2].error_message
-    out = worker_codec.model_runner_output_from_pb(responses[3].model_runner_output, ["a"])
-    assert out.req_ids == ["a"] and len(out.sampled_token_ids[0]) == 1
+    assert out4.req_ids == ["a"] and len(out4.sampled_token_ids[0]) == 1 and out4.step_id == 4
+    assert ran == [1, 2, 4]  # step 3 never reached the runner
+    assert list(responses) == []
 
 
 def test_worker_process_starts_serves_and_stops_on_sigterm(tiny_llama_dir, tmp_path):
