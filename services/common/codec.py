@@ -122,26 +122,24 @@ def scheduler_stats_from_pb(msg: ec_pb.SchedulerStats) -> m.SchedulerStats:
     return m.SchedulerStats(**{name: getattr(msg, name) for name in vars(m.SchedulerStats())})
 
 
-def engine_core_output_to_pb(o: m.EngineCoreOutput) -> ec_pb.EngineCoreOutput:
+def engine_core_output_to_pb(request_id: str, new_token_ids: list[int], x: m.OutputExtras) -> ec_pb.EngineCoreOutput:
     msg = ec_pb.EngineCoreOutput(
-        request_id=o.request_id,
-        new_token_ids=o.new_token_ids,
-        new_logprobs=[token_logprobs_to_pb(lp) for lp in o.new_logprobs],
-        finish_reason=int(o.finish_reason),
-        num_cached_tokens=o.num_cached_tokens,
-        events=[ec_pb.RequestEvent(type=int(e.type), timestamp=e.timestamp) for e in o.events],
-        error_message=o.error_message,
-        error_code=o.error_code,
+        request_id=request_id,
+        new_token_ids=new_token_ids,
+        new_logprobs=[token_logprobs_to_pb(lp) for lp in x.new_logprobs],
+        finish_reason=int(x.finish_reason),
+        num_cached_tokens=x.num_cached_tokens,
+        events=[ec_pb.RequestEvent(type=int(e.type), timestamp=e.timestamp) for e in x.events],
+        error_message=x.error_message,
+        error_code=x.error_code,
     )
-    if o.stop_reason is not None:
-        msg.stop_reason = o.stop_reason
+    if x.stop_reason is not None:
+        msg.stop_reason = x.stop_reason
     return msg
 
 
-def engine_core_output_from_pb(msg: ec_pb.EngineCoreOutput) -> m.EngineCoreOutput:
-    return m.EngineCoreOutput(
-        request_id=msg.request_id,
-        new_token_ids=list(msg.new_token_ids),
+def output_extras_from_pb(msg: ec_pb.EngineCoreOutput) -> m.OutputExtras:
+    return m.OutputExtras(
         new_logprobs=[token_logprobs_from_pb(lp) for lp in msg.new_logprobs],
         finish_reason=m.FinishReason(msg.finish_reason),
         stop_reason=msg.stop_reason if msg.HasField("stop_reason") else None,
@@ -153,35 +151,50 @@ def engine_core_output_from_pb(msg: ec_pb.EngineCoreOutput) -> m.EngineCoreOutpu
 
 
 def engine_core_outputs_to_pb(o: m.EngineCoreOutputs, last_plain_req_ids: list[str] | None = None
-                              ) -> ec_pb.EngineCoreOutputs:
-    """`last_plain_req_ids`: the plain request ids of the last message on the same stream that had any."""
-    token_ids = o.plain_token_ids
-    as_last = bool(last_plain_req_ids) and o.plain_req_ids == last_plain_req_ids
+                              ) -> tuple[ec_pb.EngineCoreOutputs, list[str]]:
+    """The message, and its plain request ids (outputs of new tokens only, which travel in the
+    columns). `last_plain_req_ids`: those of the last message on the same stream that had any."""
+    extras = o.extras
+    if extras:
+        plain = [(r, t) for r, t in zip(o.req_ids, o.new_token_ids) if r not in extras]
+        plain_req_ids = [r for r, _ in plain]
+        token_ids = [t for _, t in plain]
+        full = [engine_core_output_to_pb(r, t, extras[r]) for r, t in zip(o.req_ids, o.new_token_ids) if r in extras]
+    else:  # the usual step: the columns as they are
+        plain_req_ids, token_ids, full = o.req_ids, o.new_token_ids, []
+    as_last = bool(last_plain_req_ids) and plain_req_ids == last_plain_req_ids
     msg = ec_pb.EngineCoreOutputs(
-        outputs=[engine_core_output_to_pb(x) for x in o.outputs],
+        outputs=full,
         timestamp=o.timestamp,
-        request_ids=[] if as_last else o.plain_req_ids,
+        request_ids=[] if as_last else plain_req_ids,
         request_ids_as_last=as_last,
         num_new_token_ids=one_each_or_counts(token_ids),
         new_token_ids=list(chain.from_iterable(token_ids)),
     )
     if o.scheduler_stats is not None:
         msg.scheduler_stats.CopyFrom(scheduler_stats_to_pb(o.scheduler_stats))
-    return msg
+    return msg, plain_req_ids
 
 
 def engine_core_outputs_from_pb(msg: ec_pb.EngineCoreOutputs, last_plain_req_ids: list[str] | None = None
-                                ) -> m.EngineCoreOutputs:
-    """`last_plain_req_ids`: the plain request ids of the last message on the same stream that had any."""
+                                ) -> tuple[m.EngineCoreOutputs, list[str]]:
+    """The outputs (those with extras first), and the message's plain request ids.
+    `last_plain_req_ids`: those of the last message on the same stream that had any."""
     plain_req_ids = ids_or_referred(msg.request_ids, msg.request_ids_as_last, last_plain_req_ids,
                                     "the last message's requests")
-    return m.EngineCoreOutputs(
-        outputs=[engine_core_output_from_pb(x) for x in msg.outputs],
+    plain_token_ids = split_one_each_or_counts(list(msg.new_token_ids), list(msg.num_new_token_ids))
+    outputs = m.EngineCoreOutputs(
         scheduler_stats=scheduler_stats_from_pb(msg.scheduler_stats) if msg.HasField("scheduler_stats") else None,
         timestamp=msg.timestamp,
-        plain_req_ids=plain_req_ids,
-        plain_token_ids=split_one_each_or_counts(list(msg.new_token_ids), list(msg.num_new_token_ids)),
     )
+    if msg.outputs:
+        for x in msg.outputs:
+            outputs.append(x.request_id, list(x.new_token_ids), output_extras_from_pb(x))
+        outputs.req_ids += plain_req_ids
+        outputs.new_token_ids += plain_token_ids
+    else:
+        outputs.req_ids, outputs.new_token_ids = list(plain_req_ids), plain_token_ids
+    return outputs, plain_req_ids
 
 
 class OutputsEncoder:
@@ -191,9 +204,9 @@ class OutputsEncoder:
         self.last_plain_req_ids: list[str] | None = None
 
     def encode(self, o: m.EngineCoreOutputs) -> ec_pb.EngineCoreOutputs:
-        msg = engine_core_outputs_to_pb(o, self.last_plain_req_ids)
-        if o.plain_req_ids:
-            self.last_plain_req_ids = o.plain_req_ids
+        msg, plain_req_ids = engine_core_outputs_to_pb(o, self.last_plain_req_ids)
+        if plain_req_ids:
+            self.last_plain_req_ids = plain_req_ids
         return msg
 
 
@@ -204,9 +217,9 @@ class OutputsDecoder:
         self.last_plain_req_ids: list[str] | None = None
 
     def decode(self, msg: ec_pb.EngineCoreOutputs) -> m.EngineCoreOutputs:
-        o = engine_core_outputs_from_pb(msg, self.last_plain_req_ids)
-        if o.plain_req_ids:
-            self.last_plain_req_ids = o.plain_req_ids
+        o, plain_req_ids = engine_core_outputs_from_pb(msg, self.last_plain_req_ids)
+        if plain_req_ids:
+            self.last_plain_req_ids = plain_req_ids
         return o
 
 

@@ -91,9 +91,30 @@ class TokenLogprobs:
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
 
 
-@dataclass(slots=True)  # built per request per step: slots make that cheaper
+@dataclass(slots=True)
+class OutputExtras:
+    """What a request's step output carries besides its new tokens; most outputs have none."""
+
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: FinishReason = FinishReason.NONE
+    stop_reason: int | None = None
+    num_cached_tokens: int = 0
+    events: list[RequestEvent] = field(default_factory=list)
+    error_message: str = ""
+    # "invalid_argument", "resource_exhausted", "unavailable" or "internal" when finish_reason is ERROR.
+    error_code: str = ""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason != FinishReason.NONE
+
+
+_NO_EXTRAS = OutputExtras()
+
+
+@dataclass(slots=True)
 class EngineCoreOutput:
-    """What one request produced in one engine step."""
+    """One request's output of one step, as the frontend's engine client hands it to that request."""
 
     request_id: str
     new_token_ids: list[int]
@@ -103,8 +124,14 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     events: list[RequestEvent] = field(default_factory=list)
     error_message: str = ""
-    # "invalid_argument", "resource_exhausted", "unavailable" or "internal" when finish_reason is ERROR.
     error_code: str = ""
+
+    @classmethod
+    def of(cls, request_id: str, new_token_ids: list[int], extras: OutputExtras | None) -> EngineCoreOutput:
+        if extras is None:
+            return cls(request_id, new_token_ids)
+        return cls(request_id, new_token_ids, extras.new_logprobs, extras.finish_reason, extras.stop_reason,
+                   extras.num_cached_tokens, extras.events, extras.error_message, extras.error_code)
 
     @property
     def finished(self) -> bool:
@@ -126,24 +153,28 @@ class SchedulerStats:
 
 @dataclass
 class EngineCoreOutputs:
-    """One engine step's outputs (for one frontend, once routed).
-
-    Most outputs of a step are a running request's new tokens and nothing else: those "plain"
-    outputs stay in two columns from the scheduler to the frontend's dispatch, never one object per
-    request per step. Outputs that carry more (a finish, events, logprobs, an error) are objects in
-    `outputs`. A request appears at most once per step. A request's first output always has events
-    (QUEUED, SCHEDULED), so it carries `num_cached_tokens` and plain outputs need not.
+    """One engine step's outputs (for one frontend, once routed), in one shape from the scheduler
+    to the frontend's dispatch: a column of request ids and one of their new tokens (a request at
+    most once), and, for the few outputs that carry more (a finish, events, logprobs, an error),
+    `OutputExtras` keyed by request id. A request's first output always has events (QUEUED,
+    SCHEDULED), so it carries `num_cached_tokens` and later outputs need not.
     """
 
-    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    req_ids: list[str] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    extras: dict[str, OutputExtras] = field(default_factory=dict)
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
-    plain_req_ids: list[str] = field(default_factory=list)
-    plain_token_ids: list[list[int]] = field(default_factory=list)
 
-    def all_outputs(self) -> list[EngineCoreOutput]:
-        """Every output as an object, the plain ones last (for callers that want one per request)."""
-        return self.outputs + [EngineCoreOutput(r, t) for r, t in zip(self.plain_req_ids, self.plain_token_ids)]
+    def append(self, req_id: str, new_token_ids: list[int], extras: OutputExtras | None = None) -> None:
+        self.req_ids.append(req_id)
+        self.new_token_ids.append(new_token_ids)
+        if extras is not None:
+            self.extras[req_id] = extras
+
+    def extras_of(self, req_id: str) -> OutputExtras:
+        """The request's extras, or empty ones."""
+        return self.extras.get(req_id, _NO_EXTRAS)
 
 
 @dataclass
@@ -160,12 +191,13 @@ class NewRequestData:
 
 @dataclass
 class CachedRequestData:
-    """Requests the worker already holds, in columns: only what changed since the last step."""
+    """Requests the worker already holds, in columns: each one's blocks added since the last step
+    and its count (tokens only for resumed ones: the worker appends what it samples)."""
 
     req_ids: list[str] = field(default_factory=list)
     resumed_from_preemption: list[bool] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)
-    # Empty when the requests are exactly the last step's (the worker's own counts stand).
+    # Tokens whose KV is in the cache before this step.
     num_computed_tokens: list[int] = field(default_factory=list)
     # Full token ids for resumed requests (empty list otherwise); the scheduler sends a list for the
     # resumed requests only, which come first, and leaves the running ones' out.

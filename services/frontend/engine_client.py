@@ -26,6 +26,7 @@ from services.common.messages import (
     EngineCoreRequest,
     EngineInfo,
     FinishReason,
+    OutputExtras,
     SchedulerStats,
 )
 from services.common.pb import engine_core_pb2, engine_core_pb2_grpc
@@ -164,26 +165,23 @@ class EngineClient:
             self.last_stats = outputs.scheduler_stats
         if self.observer is not None:
             self.observer.on_step(outputs)
-        queues, held = self._queues, self._held
-        for output in outputs.outputs:
-            request_id = output.request_id
+        queues, held, extras_of = self._queues, self._held, outputs.extras.get
+        for request_id, token_ids in zip(outputs.req_ids, outputs.new_token_ids):
+            extras = extras_of(request_id)
             pending = held.get(request_id)
-            if pending is not None:
-                pending.add(output)
-                if not output.finished:
+            if pending is not None:  # final-only: merged here, handed over when it finishes
+                pending.token_ids += token_ids
+                if extras is None:
                     continue
-                output = pending.merged(output)
+                pending.add(extras)
+                if not extras.finished:
+                    continue
+                output = pending.merged(request_id, extras)
+            else:
+                output = EngineCoreOutput.of(request_id, token_ids, extras)
             queue = queues.get(request_id)
             if queue is not None:
                 queue.put_nowait(output)
-        for request_id, token_ids in zip(outputs.plain_req_ids, outputs.plain_token_ids):
-            pending = held.get(request_id)
-            if pending is not None:
-                pending.token_ids += token_ids
-                continue
-            queue = queues.get(request_id)
-            if queue is not None:
-                queue.put_nowait(EngineCoreOutput(request_id, token_ids))
 
     def _fail_all(self, message: str) -> None:
         self._held.clear()
@@ -211,14 +209,14 @@ class HeldOutput:
         self.events: list = []
         self.num_cached_tokens = 0
 
-    def add(self, output: EngineCoreOutput) -> None:
-        self.token_ids += output.new_token_ids
-        self.logprobs += output.new_logprobs
-        self.events += output.events
-        self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
+    def add(self, extras: OutputExtras) -> None:
+        """A step's extras (its tokens are added to `token_ids` by the caller)."""
+        self.logprobs += extras.new_logprobs
+        self.events += extras.events
+        self.num_cached_tokens = max(self.num_cached_tokens, extras.num_cached_tokens)
 
-    def merged(self, last: EngineCoreOutput) -> EngineCoreOutput:
+    def merged(self, request_id: str, last: OutputExtras) -> EngineCoreOutput:
         """Everything held (`last` included) as one output with `last`'s finish."""
-        return EngineCoreOutput(last.request_id, self.token_ids, self.logprobs, last.finish_reason, last.stop_reason,
+        return EngineCoreOutput(request_id, self.token_ids, self.logprobs, last.finish_reason, last.stop_reason,
                                 self.num_cached_tokens, self.events, last.error_message, last.error_code)
 

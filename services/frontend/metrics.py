@@ -16,7 +16,6 @@ client holds, read at scrape time (services/common/metrics.py).
 from __future__ import annotations
 
 import time
-from itertools import chain
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -135,18 +134,16 @@ class FrontendMetrics:
         # Inter-token latencies of one step mostly share one value (same previous step): observed per value.
         itl_counts: dict[float, int] = {}
         inflight = self._inflight
-        for output in outputs.outputs:
-            times = inflight.get(output.request_id)
+        for request_id, extras in outputs.extras.items():
+            times = inflight.get(request_id)
             if times is None:
                 continue
-            for event in output.events:
+            for event in extras.events:
                 if event.type == RequestEventType.QUEUED:
                     times.queued_s = event.timestamp
                 elif event.type == RequestEventType.SCHEDULED and times.scheduled_s is None:
                     times.scheduled_s = event.timestamp
-        new_tokens = chain(((o.request_id, o.new_token_ids) for o in outputs.outputs),
-                           zip(outputs.plain_req_ids, outputs.plain_token_ids))
-        for request_id, token_ids in new_tokens:
+        for request_id, token_ids in zip(outputs.req_ids, outputs.new_token_ids):
             times = inflight.get(request_id)
             if times is None or not token_ids:
                 continue

@@ -18,11 +18,11 @@ from typing import Callable
 
 from services.common.gc_tuning import freeze_startup_objects
 from services.common.messages import (
-    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineInfo,
     FinishReason,
+    OutputExtras,
     SchedulerOutput,
     SchedulerStats,
 )
@@ -38,8 +38,13 @@ MAX_RECONNECT_BACKOFF_S = 5.0
 IDLE_WORKER_CHECK_S = 0.5
 
 
-def error_output(request_id: str, message: str, code: str) -> EngineCoreOutput:
-    return EngineCoreOutput(request_id, [], finish_reason=FinishReason.ERROR, error_message=message, error_code=code)
+def error_outputs(request_ids: list[str], message: str, code: str) -> EngineCoreOutputs:
+    """The requests finished with an error, as one step's outputs."""
+    outputs = EngineCoreOutputs()
+    for request_id in request_ids:
+        outputs.append(request_id, [], OutputExtras(finish_reason=FinishReason.ERROR, error_message=message,
+                                                    error_code=code))
+    return outputs
 
 
 class EngineCore:
@@ -76,7 +81,7 @@ class EngineCore:
     def add_request(self, client_id: int, req: EngineCoreRequest) -> None:
         if not self.is_worker_alive or self.is_draining:
             why = "the engine is draining" if self.is_draining else "the worker is unavailable"
-            self._send(client_id, [error_output(req.request_id, why, "unavailable")])
+            self._send(client_id, error_outputs([req.request_id], why, "unavailable"))
             return
         self._req_client[req.request_id] = client_id
         request = Request(req)
@@ -163,12 +168,12 @@ class EngineCore:
                 continue
             step = in_flight.popleft()
             try:
-                runner_output = await self.worker.receive(step)
+                runner_output = await self.worker.receive()
             except WorkerStepError as exc:
                 logger.error("step %d failed on the worker: %s", step.step_id, exc)
                 failed = scheduler.abort_requests(list(step.num_scheduled_tokens))
-                self._publish(EngineCoreOutputs([error_output(r.request_id, f"model execution failed: {exc}",
-                                                              "internal") for r in failed]), scheduler)
+                self._publish(error_outputs([r.request_id for r in failed], f"model execution failed: {exc}",
+                                            "internal"), scheduler)
                 continue
             self._publish(scheduler.update_from_output(step, runner_output), scheduler)
             if step.total_num_scheduled_tokens == 0 and not in_flight:
@@ -201,37 +206,30 @@ class EngineCore:
             try:
                 scheduler.add_request(request)
             except RequestRejected as exc:
-                self._publish(EngineCoreOutputs([error_output(request.request_id, str(exc), exc.code)]), scheduler)
+                self._publish(error_outputs([request.request_id], str(exc), exc.code), scheduler)
 
     def _publish(self, step: EngineCoreOutputs, scheduler: Scheduler | None) -> None:
         """Routes a step's outputs to the frontends that own the requests, one message each."""
-        if not step.outputs and not step.plain_req_ids:
+        if not step.req_ids:
             return
         if self.tracer is not None:
             self.tracer.on_outputs(step)
         req_client = self._req_client
         by_client: dict[int, EngineCoreOutputs] = {}
-        for output in step.outputs:
-            client_id = req_client.get(output.request_id)
-            if output.finish_reason:
-                req_client.pop(output.request_id, None)
+        client_ids = set(map(req_client.get, step.req_ids))
+        if len(client_ids) == 1:  # the usual case: one frontend owns every request
+            (client_id,) = client_ids
             if client_id is not None:
-                self._client_outputs(by_client, client_id).outputs.append(output)
-        plain_req_ids = step.plain_req_ids
-        if plain_req_ids:
-            client_ids = set(map(req_client.get, plain_req_ids))
-            if len(client_ids) == 1:  # the usual case: one frontend owns every request
-                (client_id,) = client_ids
+                by_client[client_id] = step
+        else:
+            extras_of = step.extras.get
+            for req_id, token_ids in zip(step.req_ids, step.new_token_ids):
+                client_id = req_client.get(req_id)
                 if client_id is not None:
-                    routed = self._client_outputs(by_client, client_id)
-                    routed.plain_req_ids, routed.plain_token_ids = plain_req_ids, step.plain_token_ids
-            else:
-                for req_id, token_ids in zip(plain_req_ids, step.plain_token_ids):
-                    client_id = req_client.get(req_id)
-                    if client_id is not None:
-                        routed = self._client_outputs(by_client, client_id)
-                        routed.plain_req_ids.append(req_id)
-                        routed.plain_token_ids.append(token_ids)
+                    self._client_outputs(by_client, client_id).append(req_id, token_ids, extras_of(req_id))
+        for req_id, extras in step.extras.items():
+            if extras.finished:  # routed above by its owner; nothing more comes for it
+                req_client.pop(req_id, None)
         stats = scheduler.get_stats() if scheduler is not None else None
         now = time.time()
         for client_id, routed in by_client.items():
@@ -247,17 +245,18 @@ class EngineCore:
             routed = by_client[client_id] = EngineCoreOutputs()
         return routed
 
-    def _send(self, client_id: int, outputs: list[EngineCoreOutput]) -> None:
+    def _send(self, client_id: int, outputs: EngineCoreOutputs) -> None:
         queue = self._clients.get(client_id)
         if queue is not None:
-            queue.put_nowait(EngineCoreOutputs(outputs=outputs, timestamp=time.time()))
+            outputs.timestamp = time.time()
+            queue.put_nowait(outputs)
 
     def _fail_all(self, message: str, code: str) -> None:
         requests = self.scheduler.fail_all() if self.scheduler is not None else []
         requests += self._pending_adds
         self._pending_adds = []
         self._pending_aborts = []
-        self._publish(EngineCoreOutputs([error_output(r.request_id, message, code) for r in requests]), None)
+        self._publish(error_outputs([r.request_id for r in requests], message, code), None)
 
     def fail_remaining(self, message: str) -> None:
         """Used at the end of a drain: whatever still runs is finished with an error."""

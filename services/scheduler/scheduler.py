@@ -16,10 +16,10 @@ from collections.abc import Iterable
 from itertools import chain, repeat
 
 from services.common.messages import (
-    EngineCoreOutput,
     EngineCoreOutputs,
     FinishReason,
     ModelRunnerOutput,
+    OutputExtras,
     RequestEventType,
     SchedulerOutput,
     SchedulerStats,
@@ -195,11 +195,12 @@ class Scheduler:
         """Appends sampled tokens, applies the finishing rules, frees finished requests' blocks.
 
         Runs once per step for every scheduled request, so the usual case (one token, no block
-        filled, no finish, no events) touches no helper and builds no object per request.
+        filled, no finish, no events) touches no helper and builds no object per request: it only
+        joins the outputs' two columns.
         """
-        outputs: list[EngineCoreOutput] = []
-        plain_req_ids: list[str] = []
-        plain_token_ids: list[list[int]] = []
+        req_ids: list[str] = []
+        new_token_ids_column: list[list[int]] = []
+        extras: dict[str, OutputExtras] = {}
         requests = self.requests
         cache_blocks = self.kv_cache_manager.cache_blocks if self.kv_cache_manager.enable_caching else None
         running, finished = RequestStatus.RUNNING, RequestStatus.FINISHED
@@ -220,8 +221,8 @@ class Scheduler:
                 if may_stop(request, token_ids[0]):  # the full check runs only then
                     self._finish_if_stopped(request)
                 elif lp is None and not request.events:
-                    plain_req_ids.append(req_id)
-                    plain_token_ids.append(token_ids)
+                    req_ids.append(req_id)
+                    new_token_ids_column.append(token_ids)
                     continue
             elif token_ids:
                 request.num_output_placeholders -= 1
@@ -232,14 +233,14 @@ class Scheduler:
                         new_token_ids = token_ids[: i + 1]
                         break
             if request.events or request.status == finished or (lp is not None and new_token_ids):
-                outputs.append(EngineCoreOutput(
-                    req_id, new_token_ids, [lp] if (lp is not None and new_token_ids) else [],
-                    request.finish_reason, request.stop_reason, max(request.num_cached_tokens, 0),
-                    request.take_events()))
-            elif new_token_ids:
-                plain_req_ids.append(req_id)
-                plain_token_ids.append(new_token_ids)
-        return EngineCoreOutputs(outputs, plain_req_ids=plain_req_ids, plain_token_ids=plain_token_ids)
+                extras[req_id] = OutputExtras(
+                    [lp] if (lp is not None and new_token_ids) else [], request.finish_reason,
+                    request.stop_reason, max(request.num_cached_tokens, 0), request.take_events())
+            elif not new_token_ids:
+                continue
+            req_ids.append(req_id)
+            new_token_ids_column.append(new_token_ids)
+        return EngineCoreOutputs(req_ids, new_token_ids_column, extras)
 
     def get_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager

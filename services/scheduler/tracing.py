@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from services.common.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, RequestEventType
+from services.common.messages import EngineCoreOutputs, FinishReason, OutputExtras, RequestEventType
 from services.common.telemetry import Tracing, context_from_traceparent, seconds_to_ns, traceparent_of
 from services.scheduler.request import Request
 
@@ -65,20 +65,19 @@ class SchedulerTracer:
         if not self._requests:
             return
         now = time.time()
-        for output in step.outputs:
-            trace = self._requests.get(output.request_id)
+        extras_of = step.extras.get
+        for req_id, token_ids in zip(step.req_ids, step.new_token_ids):
+            trace = self._requests.get(req_id)
             if trace is None:
                 continue
-            for event in output.events:
-                self._on_event(trace, event.type, event.timestamp)
-            if output.new_token_ids:
-                self._on_tokens(trace, len(output.new_token_ids), now)
-            if output.finished:
-                self._finish(output.request_id, output.finish_reason, now, output)
-        for req_id, token_ids in zip(step.plain_req_ids, step.plain_token_ids):
-            trace = self._requests.get(req_id)
-            if trace is not None:
+            extras = extras_of(req_id)
+            if extras is not None:
+                for event in extras.events:
+                    self._on_event(trace, event.type, event.timestamp)
+            if token_ids:
                 self._on_tokens(trace, len(token_ids), now)
+            if extras is not None and extras.finished:
+                self._finish(req_id, extras.finish_reason, now, extras)
 
     def _on_tokens(self, trace: _RequestTrace, num_tokens: int, now: float) -> None:
         if trace.first_token_s is None:
@@ -116,7 +115,7 @@ class SchedulerTracer:
                                       start_time=seconds_to_ns(start_s))
         span.end(end_time=seconds_to_ns(max(start_s, end_s)))
 
-    def _finish(self, request_id: str, reason: FinishReason, now: float, output: EngineCoreOutput | None) -> None:
+    def _finish(self, request_id: str, reason: FinishReason, now: float, output: OutputExtras | None) -> None:
         trace = self._requests.pop(request_id)
         if trace.first_token_s is not None and trace.num_output_tokens > 1:
             self._phase(trace, "scheduler.decode", trace.first_token_s, now)

@@ -10,6 +10,7 @@ from services.scheduler.scheduler import Scheduler
 from services.worker.config import WorkerConfig
 from services.worker.fake_runner import FAKE_TOKEN_ID, FakeModelRunner, load_fake_model
 from services.worker.kv_cache import KVCacheLayout
+from tests.step_outputs import per_request
 
 
 def test_chunked_prefill_samples_only_at_the_end_then_one_token_per_step():
@@ -27,7 +28,7 @@ def test_chunked_prefill_samples_only_at_the_end_then_one_token_per_step():
         ro = runner.execute_model(so)
         for req_id, sampled in zip(ro.req_ids, ro.sampled_token_ids):
             tokens[req_id] += sampled
-        for out in scheduler.update_from_output(so, ro).all_outputs():
+        for out in per_request(scheduler.update_from_output(so, ro)):
             if out.finished:
                 finished[out.request_id] = out.finish_reason
     assert tokens == {"long": [FAKE_TOKEN_ID] * 3, "short": [FAKE_TOKEN_ID] * 3}

@@ -1,20 +1,30 @@
 """Non-streamed responses without stop strings take their engine outputs merged, once, at the end."""
 from __future__ import annotations
 
-from services.common.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, RequestEvent, RequestEventType
+from services.common.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    FinishReason,
+    OutputExtras,
+    RequestEvent,
+    RequestEventType,
+)
 from services.frontend.engine_client import EngineClient, HeldOutput
+from tests.step_outputs import outputs_from
 
 
 def test_held_output_keeps_every_token_and_the_last_finish():
     held = HeldOutput()
-    outputs = [
-        EngineCoreOutput("r", [], events=[RequestEvent(RequestEventType.QUEUED, 1.0)], num_cached_tokens=16),
-        EngineCoreOutput("r", [5]),
-        EngineCoreOutput("r", [6, 7], finish_reason=FinishReason.STOP, stop_reason=7),
+    steps = [  # (new tokens, extras) as the engine client's dispatch sees them
+        ([], OutputExtras(events=[RequestEvent(RequestEventType.QUEUED, 1.0)], num_cached_tokens=16)),
+        ([5], None),
+        ([6, 7], OutputExtras(finish_reason=FinishReason.STOP, stop_reason=7)),
     ]
-    for output in outputs:
-        held.add(output)
-    merged = held.merged(outputs[-1])
+    for token_ids, extras in steps:
+        held.token_ids += token_ids
+        if extras is not None:
+            held.add(extras)
+    merged = held.merged("r", steps[-1][1])
     assert merged.new_token_ids == [5, 6, 7] and merged.finish_reason == FinishReason.STOP
     assert merged.stop_reason == 7 and merged.num_cached_tokens == 16 and len(merged.events) == 1
 
@@ -29,10 +39,10 @@ def test_dispatch_holds_final_only_outputs_until_the_finish():
         client._held["f"] = HeldOutput()
         for step, reason in enumerate((FinishReason.NONE, FinishReason.NONE, FinishReason.LENGTH)):
             if reason == FinishReason.NONE:  # plain outputs come in columns
-                step_outputs = EngineCoreOutputs(plain_req_ids=["s", "f"], plain_token_ids=[[step], [step, 9]])
+                step_outputs = EngineCoreOutputs(["s", "f"], [[step], [step, 9]])
             else:
-                step_outputs = EngineCoreOutputs([EngineCoreOutput("s", [step]),
-                                                  EngineCoreOutput("f", [step], finish_reason=reason)])
+                step_outputs = outputs_from([EngineCoreOutput("s", [step]),
+                                             EngineCoreOutput("f", [step], finish_reason=reason)])
             client._dispatch(step_outputs)
             if reason == FinishReason.NONE:
                 assert final.empty()

@@ -16,15 +16,14 @@ from services.common.messages import (
 )
 from services.common.metrics import WeightedHistogram
 from services.frontend.metrics import FrontendMetrics
+from tests.step_outputs import outputs_from
 
 MODEL = {"model_name": "m"}
 
 
 def step(timestamp: float, *outputs: EngineCoreOutput) -> EngineCoreOutputs:
-    """One step's outputs as the scheduler sends them: outputs with only new tokens in the columns."""
-    full = [o for o in outputs if o.events or o.finished or o.new_logprobs]
-    plain = [o for o in outputs if not any(o is f for f in full)]
-    return EngineCoreOutputs(full, None, timestamp, [o.request_id for o in plain], [o.new_token_ids for o in plain])
+    """One step's outputs as the scheduler sends them: extras only where an output carries more."""
+    return outputs_from(list(outputs), timestamp=timestamp)
 
 
 def sample(metrics: FrontendMetrics, name: str, **labels) -> float | None:

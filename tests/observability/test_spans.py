@@ -28,6 +28,7 @@ from services.scheduler.request import Request
 from services.scheduler.tracing import SchedulerTracer
 from services.worker.tracing import WorkerTracer
 from tests.frontend.fakes import FakeEngineClient, make_tokenizer, serving_model
+from tests.step_outputs import outputs_from
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CALLER_SPAN_ID = "00f067aa0ba902b7"
@@ -83,12 +84,12 @@ def test_scheduler_spans_follow_the_request_events():
     assert request.traceparent != TRACEPARENT and TRACE_ID in request.traceparent  # the worker's parent now
     queued = request.events[0].timestamp - 5.0  # in the past, as real events are by the time they arrive
     scheduled = queued + 0.25
-    tracer.on_outputs(EngineCoreOutputs([EngineCoreOutput("r1", [], events=[
+    tracer.on_outputs(outputs_from([EngineCoreOutput("r1", [], events=[
         RequestEvent(RequestEventType.QUEUED, queued), RequestEvent(RequestEventType.SCHEDULED, scheduled)])]))
-    tracer.on_outputs(EngineCoreOutputs(plain_req_ids=["r1"], plain_token_ids=[[7]]))  # a plain output
-    tracer.on_outputs(EngineCoreOutputs([EngineCoreOutput("r1", [8], events=[
+    tracer.on_outputs(EngineCoreOutputs(["r1"], [[7]]))  # new tokens only
+    tracer.on_outputs(outputs_from([EngineCoreOutput("r1", [8], events=[
         RequestEvent(RequestEventType.PREEMPTED, scheduled + 1), RequestEvent(RequestEventType.SCHEDULED, scheduled + 2)])]))
-    tracer.on_outputs(EngineCoreOutputs([EngineCoreOutput("r1", [9], finish_reason=FinishReason.LENGTH,
+    tracer.on_outputs(outputs_from([EngineCoreOutput("r1", [9], finish_reason=FinishReason.LENGTH,
                                                           num_cached_tokens=2)]))
     assert tracer.num_open_spans == 0
 
@@ -118,7 +119,7 @@ def test_scheduler_ends_aborted_and_failed_requests_and_skips_untraced_ones():
     assert untraced.traceparent == "" and unsampled.traceparent.endswith("-00")  # left as they came
     assert tracer.num_open_spans == 2
     tracer.on_aborted(["a", "never-seen"])
-    tracer.on_outputs(EngineCoreOutputs([EngineCoreOutput("f", [], finish_reason=FinishReason.ERROR,
+    tracer.on_outputs(outputs_from([EngineCoreOutput("f", [], finish_reason=FinishReason.ERROR,
                                                           error_message="boom", error_code="internal")]))
     assert tracer.num_open_spans == 0
     t.tracing.provider.force_flush()

@@ -7,6 +7,7 @@ from services.common.messages import EngineCoreRequest, ModelRunnerOutput, Sampl
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.scheduler import Scheduler
+from tests.step_outputs import per_request
 
 EOS = 2
 _ids = itertools.count()
@@ -52,7 +53,7 @@ def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000) -> list:
         if not scheduler.has_unfinished_requests():
             return outputs
         output = scheduler.schedule()
-        outputs.extend(scheduler.update_from_output(output, fake_runner_output(scheduler, output)).all_outputs())
+        outputs.extend(per_request(scheduler.update_from_output(output, fake_runner_output(scheduler, output))))
     raise AssertionError("requests did not finish")
 
 

@@ -9,6 +9,7 @@ from tests.scheduler.factories import (
     make_scheduler,
     run_to_completion,
 )
+from tests.step_outputs import per_request
 
 import pytest
 
@@ -82,7 +83,7 @@ def test_finishes_on_max_tokens_eos_and_stop_token_and_frees_blocks():
     scheduler.add_request(req)
     out = scheduler.schedule()
     ro = fake_runner_output(scheduler, out, token_id=EOS)
-    (o,) = scheduler.update_from_output(out, ro).all_outputs()
+    (o,) = per_request(scheduler.update_from_output(out, ro))
     assert o.finish_reason == FinishReason.STOP and o.stop_reason is None
 
     (req,) = make_requests(1, max_tokens=50, stop_token_ids=(7,))
@@ -99,7 +100,7 @@ def test_min_tokens_and_ignore_eos_hold_back_eos():
     finish = None
     while finish is None:
         out = scheduler.schedule()
-        for o in scheduler.update_from_output(out, fake_runner_output(scheduler, out, token_id=EOS)).all_outputs():
+        for o in per_request(scheduler.update_from_output(out, fake_runner_output(scheduler, out, token_id=EOS))):
             if o.finished:
                 finish = o
     assert req.num_output_tokens == 3 and finish.finish_reason == FinishReason.STOP
