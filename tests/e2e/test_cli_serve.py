@@ -211,7 +211,10 @@ def test_help_lists_the_commands_and_flags():
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
 def test_make_run_runs_spindle_serve():
-    dry_run = subprocess.run(["make", "-n", "run"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    # As a user types it: not as a sub-make of `make test` (which would print its directory changes).
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    dry_run = subprocess.run(["make", "--no-print-directory", "-n", "run"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=60, env=env)
     assert dry_run.returncode == 0, dry_run.stderr
     # Install steps come first when the venv is out of date; the last command is always the server.
     assert dry_run.stdout.splitlines()[-1] == ".venv/bin/spindle serve", dry_run.stdout
