@@ -128,6 +128,18 @@ class KVCacheManager:
             self.num_cached_blocks[request.request_id] = len(computed_blocks)
         return [b.block_id for b in computed_blocks] + [b.block_id for b in new_blocks]
 
+    def cache_computed_blocks(self, requests: list[Request | None]) -> None:
+        """After a step: registers the blocks full of computed tokens in the prefix cache, for each
+        request that still holds blocks (None, or one preempted or finished meanwhile, holds none).
+        One call per step, so the usual request (no block filled) costs a lookup, not a call."""
+        if not self.enable_caching:
+            return
+        num_cached_blocks, req_to_blocks, block_size = self.num_cached_blocks, self.req_to_blocks, self.block_size
+        for request in requests:
+            if request is not None and request.num_computed_tokens // block_size > \
+                    num_cached_blocks.get(request.request_id, 0) and request.request_id in req_to_blocks:
+                self.cache_blocks(request, request.num_computed_tokens)
+
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Registers the request's newly full blocks (up to `num_computed_tokens`) in the prefix cache."""
         start = self.num_cached_blocks.get(request.request_id, 0)

@@ -12,8 +12,7 @@ and a step's output for a request that finished or was preempted meanwhile is dr
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
-from itertools import chain, repeat
+from itertools import repeat
 
 from services.common.messages import (
     EngineCoreOutputs,
@@ -104,9 +103,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         kv = self.kv_cache_manager
-        # The step's decision, keyed by request id: tokens and new block ids of each scheduled request.
+        # The step's decision, keyed by request id: tokens, new block ids and starting computed counts.
         num_scheduled_tokens: dict[str, int] = {}
         req_to_new_block_ids: dict[str, list[int]] = {}
+        req_to_num_computed: dict[str, int] = {}  # what the step starts from
         scheduled_running: list[Request] = []
         preempted: list[Request] = []
 
@@ -115,9 +115,12 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
+            num_computed = request.num_computed_tokens
             num_placeholders = request.num_output_placeholders
             num_tokens = len(request.all_token_ids) + num_placeholders
-            num_new = min(num_tokens - request.num_computed_tokens, budget)
+            num_new = num_tokens - num_computed
+            if num_new > budget:
+                num_new = budget
             if num_new <= 0 or (num_placeholders and num_tokens >= request.max_num_tokens):
                 i += 1  # caught up, or the step in flight samples its last token
                 continue
@@ -131,7 +134,7 @@ class Scheduler:
                 running.remove(victim)
                 if victim.request_id in num_scheduled_tokens:  # scheduled earlier in this step: undone
                     budget += num_scheduled_tokens.pop(victim.request_id)
-                    del req_to_new_block_ids[victim.request_id]
+                    del req_to_new_block_ids[victim.request_id], req_to_num_computed[victim.request_id]
                     scheduled_running.remove(victim)
                 self._preempt(victim)
                 preempted.append(victim)
@@ -140,10 +143,18 @@ class Scheduler:
             if block_ids is None:
                 break  # the request preempted itself: nothing after it can fit either
             scheduled_running.append(request)
-            num_scheduled_tokens[request.request_id] = num_new
-            req_to_new_block_ids[request.request_id] = block_ids
+            req_id = request.request_id
+            num_scheduled_tokens[req_id] = num_new
+            req_to_new_block_ids[req_id] = block_ids
+            req_to_num_computed[req_id] = num_computed
             budget -= num_new
             i += 1
+            # Counted as computed now, so the next step can be scheduled before this one's output is
+            # back (`_preempt` resets a request preempted later in this loop); the step builder reads
+            # the starting counts from `req_to_num_computed`.
+            request.num_computed_tokens = num_computed + num_new
+            if num_new == num_tokens - num_computed:
+                request.num_output_placeholders = num_placeholders + 1  # this step samples a token
 
         # Then waiting requests, only if nobody was preempted this step.
         new_reqs: list[Request] = []
@@ -171,24 +182,18 @@ class Scheduler:
             running.append(request)
             num_scheduled_tokens[request.request_id] = num_new
             req_to_new_block_ids[request.request_id] = block_ids
+            req_to_num_computed[request.request_id] = request.num_computed_tokens
+            request.num_computed_tokens += num_new
+            if request.num_computed_tokens == len(request.all_token_ids):
+                request.num_output_placeholders = 1  # this step samples a token
             budget -= num_new
 
         output = build_scheduler_output(new_reqs, resumed_reqs, scheduled_running, num_scheduled_tokens,
-                                        req_to_new_block_ids, {r.request_id for r in preempted},
+                                        req_to_new_block_ids, req_to_num_computed, {r.request_id for r in preempted},
                                         self.finished_req_ids, self.num_steps)
-        self._update_after_schedule(chain(new_reqs, resumed_reqs, scheduled_running), num_scheduled_tokens)
         self.finished_req_ids = set()
         self.num_steps += 1
         return output
-
-    @staticmethod
-    def _update_after_schedule(scheduled: Iterable[Request], num_scheduled_tokens: dict[str, int]) -> None:
-        """Counts the step's tokens as computed, so the next step can be scheduled before this one's
-        output is back; a step that reaches a request's end samples a token, counted as a placeholder."""
-        for request in scheduled:
-            request.num_computed_tokens += num_scheduled_tokens[request.request_id]
-            if request.num_computed_tokens == len(request.all_token_ids) + request.num_output_placeholders:
-                request.num_output_placeholders += 1
 
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
                            ) -> EngineCoreOutputs:
@@ -201,18 +206,17 @@ class Scheduler:
         req_ids: list[str] = []
         new_token_ids_column: list[list[int]] = []
         extras: dict[str, OutputExtras] = {}
-        requests = self.requests
-        cache_blocks = self.kv_cache_manager.cache_blocks if self.kv_cache_manager.enable_caching else None
+        step_requests = list(map(self.requests.get, runner_output.req_ids))
+        # Before any finishes frees its blocks: the blocks this step filled join the prefix cache.
+        self.kv_cache_manager.cache_computed_blocks(step_requests)
         running, finished = RequestStatus.RUNNING, RequestStatus.FINISHED
         logprobs = runner_output.logprobs
         if not logprobs or logprobs.count(None) == len(logprobs):
             logprobs = repeat(None)
-        for req_id, token_ids, lp in zip(runner_output.req_ids, runner_output.sampled_token_ids, logprobs):
-            request = requests.get(req_id)
+        for request, token_ids, lp in zip(step_requests, runner_output.sampled_token_ids, logprobs):
             if request is None or request.status != running:
                 continue  # aborted or preempted while the step ran
-            if cache_blocks is not None:  # blocks the step filled join the prefix cache
-                cache_blocks(request, request.num_computed_tokens)
+            req_id = request.request_id
             new_token_ids = token_ids
             if len(token_ids) == 1:  # the usual decode step
                 request.num_output_placeholders -= 1
