@@ -18,6 +18,7 @@ from services.common import worker_codec
 from services.common.messages import EngineCoreRequest, FinishReason, KVCacheSpec, SamplingParams
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine_core import EngineCore
+from services.scheduler.executor import Executor
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 from services.worker.fake_runner import FakeModelRunner
@@ -181,8 +182,9 @@ def test_engine_core_keeps_at_most_two_steps_in_flight_and_drains_them(async_sch
 
     async def run():
         worker = InProcessWorker()
-        engine = EngineCore(SchedulerConfig(max_num_batched_tokens=16, async_scheduling=async_scheduling), worker)
-        client_id, queue = engine.register_client()
+        engine = EngineCore(SchedulerConfig(max_num_batched_tokens=16, async_scheduling=async_scheduling),
+                            Executor([worker]))
+        client_id, queue = engine.router.register_client()
         stop = asyncio.Event()
         task = asyncio.create_task(engine.run(stop))
         while not engine.is_worker_alive:
