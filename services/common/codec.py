@@ -13,12 +13,12 @@ from __future__ import annotations
 import dataclasses
 from itertools import accumulate, chain
 
-from services.common import messages as m
+from services.common import messages
 from services.common.pb import engine_core_pb2 as ec_pb
 
 
 # --- sampling params ---------------------------------------------------------------------------
-def sampling_params_to_pb(p: m.SamplingParams) -> ec_pb.SamplingParams:
+def sampling_params_to_pb(p: messages.SamplingParams) -> ec_pb.SamplingParams:
     msg = ec_pb.SamplingParams(
         n=p.n,
         temperature=p.temperature,
@@ -43,9 +43,9 @@ def sampling_params_to_pb(p: m.SamplingParams) -> ec_pb.SamplingParams:
     return msg
 
 
-def sampling_params_from_pb(msg: ec_pb.SamplingParams) -> m.SamplingParams:
+def sampling_params_from_pb(msg: ec_pb.SamplingParams) -> messages.SamplingParams:
     """Decodes sampling params; proto3 zero values of multiplicative knobs mean "unset"."""
-    return m.SamplingParams(
+    return messages.SamplingParams(
         n=msg.n or 1,
         temperature=msg.temperature,
         top_p=msg.top_p if msg.top_p > 0 else 1.0,
@@ -66,7 +66,7 @@ def sampling_params_from_pb(msg: ec_pb.SamplingParams) -> m.SamplingParams:
 
 
 # --- frontend <-> scheduler ----------------------------------------------------------------------
-def engine_core_request_to_pb(r: m.EngineCoreRequest) -> ec_pb.EngineCoreRequest:
+def engine_core_request_to_pb(r: messages.EngineCoreRequest) -> ec_pb.EngineCoreRequest:
     return ec_pb.EngineCoreRequest(
         request_id=r.request_id,
         prompt_token_ids=r.prompt_token_ids,
@@ -80,8 +80,8 @@ def engine_core_request_to_pb(r: m.EngineCoreRequest) -> ec_pb.EngineCoreRequest
     )
 
 
-def engine_core_request_from_pb(msg: ec_pb.EngineCoreRequest) -> m.EngineCoreRequest:
-    return m.EngineCoreRequest(
+def engine_core_request_from_pb(msg: ec_pb.EngineCoreRequest) -> messages.EngineCoreRequest:
+    return messages.EngineCoreRequest(
         request_id=msg.request_id,
         prompt_token_ids=list(msg.prompt_token_ids),
         sampling_params=sampling_params_from_pb(msg.sampling_params),
@@ -94,7 +94,7 @@ def engine_core_request_from_pb(msg: ec_pb.EngineCoreRequest) -> m.EngineCoreReq
     )
 
 
-def token_logprobs_to_pb(lp: m.TokenLogprobs | None) -> ec_pb.TokenLogprobs:
+def token_logprobs_to_pb(lp: messages.TokenLogprobs | None) -> ec_pb.TokenLogprobs:
     if lp is None:  # rank 0 marks "absent": real ranks start at 1
         return ec_pb.TokenLogprobs()
     return ec_pb.TokenLogprobs(
@@ -104,92 +104,92 @@ def token_logprobs_to_pb(lp: m.TokenLogprobs | None) -> ec_pb.TokenLogprobs:
     )
 
 
-def token_logprobs_from_pb(msg: ec_pb.TokenLogprobs) -> m.TokenLogprobs | None:
+def token_logprobs_from_pb(msg: ec_pb.TokenLogprobs) -> messages.TokenLogprobs | None:
     if msg.rank == 0:
         return None
-    return m.TokenLogprobs(
+    return messages.TokenLogprobs(
         logprob=msg.logprob,
         rank=msg.rank,
         top_logprobs=[(t.token_id, t.logprob) for t in msg.top_logprobs],
     )
 
 
-def scheduler_stats_to_pb(s: m.SchedulerStats) -> ec_pb.SchedulerStats:
-    return ec_pb.SchedulerStats(**vars(s))
+def scheduler_stats_to_pb(stats: messages.SchedulerStats) -> ec_pb.SchedulerStats:
+    return ec_pb.SchedulerStats(**vars(stats))
 
 
-def scheduler_stats_from_pb(msg: ec_pb.SchedulerStats) -> m.SchedulerStats:
-    return m.SchedulerStats(**{name: getattr(msg, name) for name in vars(m.SchedulerStats())})
+def scheduler_stats_from_pb(msg: ec_pb.SchedulerStats) -> messages.SchedulerStats:
+    return messages.SchedulerStats(**{name: getattr(msg, name) for name in vars(messages.SchedulerStats())})
 
 
-def engine_core_output_to_pb(request_id: str, new_token_ids: list[int], x: m.OutputExtras) -> ec_pb.EngineCoreOutput:
+def engine_core_output_to_pb(request_id: str, new_token_ids: list[int], extras: messages.OutputExtras) -> ec_pb.EngineCoreOutput:
     msg = ec_pb.EngineCoreOutput(
         request_id=request_id,
         new_token_ids=new_token_ids,
-        new_logprobs=[token_logprobs_to_pb(lp) for lp in x.new_logprobs],
-        finish_reason=int(x.finish_reason),
-        num_cached_tokens=x.num_cached_tokens,
-        events=[ec_pb.RequestEvent(type=int(e.type), timestamp=e.timestamp) for e in x.events],
-        error_message=x.error_message,
-        error_code=x.error_code,
+        new_logprobs=[token_logprobs_to_pb(lp) for lp in extras.new_logprobs],
+        finish_reason=int(extras.finish_reason),
+        num_cached_tokens=extras.num_cached_tokens,
+        events=[ec_pb.RequestEvent(type=int(e.type), timestamp=e.timestamp) for e in extras.events],
+        error_message=extras.error_message,
+        error_code=extras.error_code,
     )
-    if x.stop_reason is not None:
-        msg.stop_reason = x.stop_reason
+    if extras.stop_reason is not None:
+        msg.stop_reason = extras.stop_reason
     return msg
 
 
-def output_extras_from_pb(msg: ec_pb.EngineCoreOutput) -> m.OutputExtras:
-    return m.OutputExtras(
+def output_extras_from_pb(msg: ec_pb.EngineCoreOutput) -> messages.OutputExtras:
+    return messages.OutputExtras(
         new_logprobs=[token_logprobs_from_pb(lp) for lp in msg.new_logprobs],
-        finish_reason=m.FinishReason(msg.finish_reason),
+        finish_reason=messages.FinishReason(msg.finish_reason),
         stop_reason=msg.stop_reason if msg.HasField("stop_reason") else None,
         num_cached_tokens=msg.num_cached_tokens,
-        events=[m.RequestEvent(m.RequestEventType(e.type), e.timestamp) for e in msg.events],
+        events=[messages.RequestEvent(messages.RequestEventType(e.type), e.timestamp) for e in msg.events],
         error_message=msg.error_message,
         error_code=msg.error_code,
     )
 
 
-def engine_core_outputs_to_pb(o: m.EngineCoreOutputs, last_plain_req_ids: list[str] | None = None
+def engine_core_outputs_to_pb(outputs: messages.EngineCoreOutputs, last_plain_req_ids: list[str] | None = None
                               ) -> tuple[ec_pb.EngineCoreOutputs, list[str]]:
     """The message, and its plain request ids (outputs of new tokens only, which travel in the
     columns). `last_plain_req_ids`: those of the last message on the same stream that had any."""
-    extras = o.extras
+    extras = outputs.extras
     if extras:
-        plain = [(r, t) for r, t in zip(o.req_ids, o.new_token_ids) if r not in extras]
+        plain = [(r, t) for r, t in zip(outputs.req_ids, outputs.new_token_ids) if r not in extras]
         plain_req_ids = [r for r, _ in plain]
         token_ids = [t for _, t in plain]
-        full = [engine_core_output_to_pb(r, t, extras[r]) for r, t in zip(o.req_ids, o.new_token_ids) if r in extras]
+        full = [engine_core_output_to_pb(r, t, extras[r]) for r, t in zip(outputs.req_ids, outputs.new_token_ids) if r in extras]
     else:  # the usual step: the columns as they are
-        plain_req_ids, token_ids, full = o.req_ids, o.new_token_ids, []
+        plain_req_ids, token_ids, full = outputs.req_ids, outputs.new_token_ids, []
     as_last = bool(last_plain_req_ids) and plain_req_ids == last_plain_req_ids
     msg = ec_pb.EngineCoreOutputs(
         outputs=full,
-        timestamp=o.timestamp,
+        timestamp=outputs.timestamp,
         request_ids=[] if as_last else plain_req_ids,
         request_ids_as_last=as_last,
         num_new_token_ids=one_each_or_counts(token_ids),
         new_token_ids=list(chain.from_iterable(token_ids)),
     )
-    if o.scheduler_stats is not None:
-        msg.scheduler_stats.CopyFrom(scheduler_stats_to_pb(o.scheduler_stats))
+    if outputs.scheduler_stats is not None:
+        msg.scheduler_stats.CopyFrom(scheduler_stats_to_pb(outputs.scheduler_stats))
     return msg, plain_req_ids
 
 
 def engine_core_outputs_from_pb(msg: ec_pb.EngineCoreOutputs, last_plain_req_ids: list[str] | None = None
-                                ) -> tuple[m.EngineCoreOutputs, list[str]]:
+                                ) -> tuple[messages.EngineCoreOutputs, list[str]]:
     """The outputs (those with extras first), and the message's plain request ids.
     `last_plain_req_ids`: those of the last message on the same stream that had any."""
     plain_req_ids = ids_or_referred(msg.request_ids, msg.request_ids_as_last, last_plain_req_ids,
                                     "the last message's requests")
     plain_token_ids = split_one_each_or_counts(list(msg.new_token_ids), list(msg.num_new_token_ids))
-    outputs = m.EngineCoreOutputs(
+    outputs = messages.EngineCoreOutputs(
         scheduler_stats=scheduler_stats_from_pb(msg.scheduler_stats) if msg.HasField("scheduler_stats") else None,
         timestamp=msg.timestamp,
     )
     if msg.outputs:
-        for x in msg.outputs:
-            outputs.append(x.request_id, list(x.new_token_ids), output_extras_from_pb(x))
+        for full in msg.outputs:
+            outputs.append(full.request_id, list(full.new_token_ids), output_extras_from_pb(full))
         outputs.req_ids += plain_req_ids
         outputs.new_token_ids += plain_token_ids
     else:
@@ -203,8 +203,8 @@ class OutputsEncoder:
     def __init__(self) -> None:
         self.last_plain_req_ids: list[str] | None = None
 
-    def encode(self, o: m.EngineCoreOutputs) -> ec_pb.EngineCoreOutputs:
-        msg, plain_req_ids = engine_core_outputs_to_pb(o, self.last_plain_req_ids)
+    def encode(self, outputs: messages.EngineCoreOutputs) -> ec_pb.EngineCoreOutputs:
+        msg, plain_req_ids = engine_core_outputs_to_pb(outputs, self.last_plain_req_ids)
         if plain_req_ids:
             self.last_plain_req_ids = plain_req_ids
         return msg
@@ -216,11 +216,11 @@ class OutputsDecoder:
     def __init__(self) -> None:
         self.last_plain_req_ids: list[str] | None = None
 
-    def decode(self, msg: ec_pb.EngineCoreOutputs) -> m.EngineCoreOutputs:
-        o, plain_req_ids = engine_core_outputs_from_pb(msg, self.last_plain_req_ids)
+    def decode(self, msg: ec_pb.EngineCoreOutputs) -> messages.EngineCoreOutputs:
+        outputs, plain_req_ids = engine_core_outputs_from_pb(msg, self.last_plain_req_ids)
         if plain_req_ids:
             self.last_plain_req_ids = plain_req_ids
-        return o
+        return outputs
 
 
 def ids_or_referred(ids, refers: bool, referred: list[str] | None, what: str) -> list[str]:
@@ -255,9 +255,9 @@ def flat_from_pb(cls, msg):
     return cls(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(cls)})
 
 
-def engine_info_to_pb(info: m.EngineInfo) -> ec_pb.GetEngineInfoResponse:
+def engine_info_to_pb(info: messages.EngineInfo) -> ec_pb.GetEngineInfoResponse:
     return ec_pb.GetEngineInfoResponse(**vars(info))
 
 
-def engine_info_from_pb(msg: ec_pb.GetEngineInfoResponse) -> m.EngineInfo:
-    return flat_from_pb(m.EngineInfo, msg)
+def engine_info_from_pb(msg: ec_pb.GetEngineInfoResponse) -> messages.EngineInfo:
+    return flat_from_pb(messages.EngineInfo, msg)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from itertools import chain
 from operator import add
 
-from services.common import messages as m
+from services.common import messages
 from services.common.codec import (
     flat_from_pb,
     ids_or_referred,
@@ -60,22 +60,22 @@ def _counts(lists: list[list[int]]) -> list[int]:
     return counts if any(counts) else []
 
 
-def _encode_step(s: m.SchedulerOutput, last: _LastStep | None
+def _encode_step(step: messages.SchedulerOutput, last: _LastStep | None
                  ) -> tuple[w_pb.SchedulerOutput, _LastStep, list[str]]:
     """The step's message, what the next step may refer to, and the step's scheduled ids."""
-    c = s.scheduled_cached_reqs
-    new_reqs = s.scheduled_new_reqs
-    order = [r.req_id for r in new_reqs] + c.req_ids
-    counts = s.num_scheduled_tokens
+    cached = step.scheduled_cached_reqs
+    new_reqs = step.scheduled_new_reqs
+    order = [r.req_id for r in new_reqs] + cached.req_ids
+    counts = step.num_scheduled_tokens
     # The dict's key order is the batch order whenever it holds every request (the scheduler's case).
     in_order = len(counts) == len(order) and list(counts) == order
     num_scheduled = list(counts.values()) if in_order else [counts.get(req_id, 0) for req_id in order]
     one_each = num_scheduled.count(1) == len(num_scheduled)  # a decode step
-    is_resumed = c.resumed_from_preemption
+    is_resumed = cached.resumed_from_preemption
     any_resumed = any(is_resumed)
-    resumed = [t for t, r in zip(c.resumed_token_ids, is_resumed) if r] if any_resumed else []
+    resumed = [t for t, r in zip(cached.resumed_token_ids, is_resumed) if r] if any_resumed else []
     as_last_step = last is not None and bool(last.order) and not new_reqs and not any_resumed \
-        and c.req_ids == last.order and c.num_computed_tokens == last.next_num_computed
+        and cached.req_ids == last.order and cached.num_computed_tokens == last.next_num_computed
     msg = w_pb.SchedulerOutput(
         scheduled_new_reqs=[
             w_pb.NewRequestData(
@@ -89,33 +89,33 @@ def _encode_step(s: m.SchedulerOutput, last: _LastStep | None
             for r in new_reqs
         ],
         scheduled_cached_reqs=w_pb.CachedRequestData(
-            req_ids=[] if as_last_step else c.req_ids,
+            req_ids=[] if as_last_step else cached.req_ids,
             req_ids_as_last_step=as_last_step,
             resumed_from_preemption=is_resumed if any_resumed else [],
-            num_computed_tokens=[] if as_last_step else c.num_computed_tokens,
-            new_block_ids=list(chain.from_iterable(c.new_block_ids)),
-            num_new_block_ids=_counts(c.new_block_ids),
+            num_computed_tokens=[] if as_last_step else cached.num_computed_tokens,
+            new_block_ids=list(chain.from_iterable(cached.new_block_ids)),
+            num_new_block_ids=_counts(cached.new_block_ids),
             resumed_token_ids=list(chain.from_iterable(resumed)),
             num_resumed_token_ids=list(map(len, resumed)),
         ),
         num_scheduled_tokens=[] if one_each else num_scheduled,
-        total_num_scheduled_tokens=s.total_num_scheduled_tokens,
-        finished_req_ids=sorted(s.finished_req_ids),
-        preempted_req_ids=sorted(s.preempted_req_ids),
-        step_id=s.step_id,
+        total_num_scheduled_tokens=step.total_num_scheduled_tokens,
+        finished_req_ids=sorted(step.finished_req_ids),
+        preempted_req_ids=sorted(step.preempted_req_ids),
+        step_id=step.step_id,
     )
-    num_computed = [r.num_computed_tokens for r in new_reqs] + c.num_computed_tokens if new_reqs \
-        else c.num_computed_tokens
+    num_computed = [r.num_computed_tokens for r in new_reqs] + cached.num_computed_tokens if new_reqs \
+        else cached.num_computed_tokens
     # The worker's view of the scheduled ids: the decoded dict, batch order, no zero counts.
     scheduled = order if in_order and (one_each or 0 not in num_scheduled) \
         else [r for r, n in zip(order, num_scheduled) if n]
     return msg, _LastStep(order, list(map(add, num_computed, num_scheduled))), scheduled
 
 
-def _decode_step(msg: w_pb.SchedulerOutput, last: _LastStep | None) -> tuple[m.SchedulerOutput, _LastStep]:
-    c = msg.scheduled_cached_reqs
+def _decode_step(msg: w_pb.SchedulerOutput, last: _LastStep | None) -> tuple[messages.SchedulerOutput, _LastStep]:
+    cached = msg.scheduled_cached_reqs
     new_reqs = [
-        m.NewRequestData(
+        messages.NewRequestData(
             req_id=r.req_id,
             prompt_token_ids=list(r.prompt_token_ids),
             sampling_params=sampling_params_from_pb(r.sampling_params),
@@ -125,29 +125,29 @@ def _decode_step(msg: w_pb.SchedulerOutput, last: _LastStep | None) -> tuple[m.S
         )
         for r in msg.scheduled_new_reqs
     ]
-    if c.req_ids_as_last_step:
+    if cached.req_ids_as_last_step:
         if last is None:
             raise ValueError("a step refers to the last step's requests, which this end of the stream does not have")
         req_ids, num_computed = list(last.order), list(last.next_num_computed)
     else:
-        req_ids, num_computed = list(c.req_ids), list(c.num_computed_tokens)
+        req_ids, num_computed = list(cached.req_ids), list(cached.num_computed_tokens)
     num_reqs = len(req_ids)
-    is_resumed = list(c.resumed_from_preemption) or [False] * num_reqs
-    if c.num_new_block_ids:
-        new_block_ids = split_column(list(c.new_block_ids), list(c.num_new_block_ids))
+    is_resumed = list(cached.resumed_from_preemption) or [False] * num_reqs
+    if cached.num_new_block_ids:
+        new_block_ids = split_column(list(cached.new_block_ids), list(cached.num_new_block_ids))
     else:
         new_block_ids = [[] for _ in range(num_reqs)]
     resumed_token_ids: list[list[int]] = []  # none resumed: no per-request lists at all
-    if c.num_resumed_token_ids:
+    if cached.num_resumed_token_ids:
         resumed_token_ids = [[] for _ in range(num_reqs)]
-        tokens = iter(split_column(list(c.resumed_token_ids), list(c.num_resumed_token_ids)))
+        tokens = iter(split_column(list(cached.resumed_token_ids), list(cached.num_resumed_token_ids)))
         for i in (i for i, r in enumerate(is_resumed) if r):
             resumed_token_ids[i] = next(tokens)
     order = [r.req_id for r in new_reqs] + req_ids
     num_scheduled = list(msg.num_scheduled_tokens) or [1] * len(order)
-    s = m.SchedulerOutput(
+    step = messages.SchedulerOutput(
         scheduled_new_reqs=new_reqs,
-        scheduled_cached_reqs=m.CachedRequestData(
+        scheduled_cached_reqs=messages.CachedRequestData(
             req_ids=req_ids,
             resumed_from_preemption=is_resumed,
             new_block_ids=new_block_ids,
@@ -164,35 +164,35 @@ def _decode_step(msg: w_pb.SchedulerOutput, last: _LastStep | None) -> tuple[m.S
     )
     if new_reqs:
         num_computed = [r.num_computed_tokens for r in new_reqs] + num_computed
-    return s, _LastStep(order, list(map(add, num_computed, num_scheduled)))
+    return step, _LastStep(order, list(map(add, num_computed, num_scheduled)))
 
 
-def scheduler_output_to_pb(s: m.SchedulerOutput) -> w_pb.SchedulerOutput:
+def scheduler_output_to_pb(step: messages.SchedulerOutput) -> w_pb.SchedulerOutput:
     """A step in full, as the first on a stream is sent."""
-    return _encode_step(s, None)[0]
+    return _encode_step(step, None)[0]
 
 
-def scheduler_output_from_pb(msg: w_pb.SchedulerOutput) -> m.SchedulerOutput:
+def scheduler_output_from_pb(msg: w_pb.SchedulerOutput) -> messages.SchedulerOutput:
     """A step sent in full."""
     return _decode_step(msg, None)[0]
 
 
-def model_runner_output_to_pb(o: m.ModelRunnerOutput, scheduled: list[str] | None = None
+def model_runner_output_to_pb(output: messages.ModelRunnerOutput, scheduled: list[str] | None = None
                               ) -> w_pb.ModelRunnerOutput:
     """`scheduled`: the step's scheduled request ids in batch order (`num_scheduled_tokens`' keys)."""
-    sampled = o.sampled_token_ids
-    as_scheduled = bool(scheduled) and o.req_ids == scheduled
+    sampled = output.sampled_token_ids
+    as_scheduled = bool(scheduled) and output.req_ids == scheduled
     msg = w_pb.ModelRunnerOutput(
-        req_ids=[] if as_scheduled else o.req_ids,
+        req_ids=[] if as_scheduled else output.req_ids,
         req_ids_as_scheduled=as_scheduled,
         sampled_token_ids=list(chain.from_iterable(sampled)),
         num_sampled_token_ids=one_each_or_counts(sampled),
-        prepare_ns=o.prepare_ns,
-        forward_ns=o.forward_ns,
-        sample_ns=o.sample_ns,
-        step_id=o.step_id,
+        prepare_ns=output.prepare_ns,
+        forward_ns=output.forward_ns,
+        sample_ns=output.sample_ns,
+        step_id=output.step_id,
     )
-    logprobs = o.logprobs
+    logprobs = output.logprobs
     if logprobs.count(None) != len(logprobs):
         indices = [i for i, lp in enumerate(logprobs) if lp is not None]
         msg.logprobs_req_indices.extend(indices)
@@ -201,14 +201,14 @@ def model_runner_output_to_pb(o: m.ModelRunnerOutput, scheduled: list[str] | Non
 
 
 def model_runner_output_from_pb(msg: w_pb.ModelRunnerOutput, scheduled: list[str] | None = None
-                                ) -> m.ModelRunnerOutput:
+                                ) -> messages.ModelRunnerOutput:
     """`scheduled`: the step's scheduled request ids in batch order, as the worker decoded them."""
     req_ids = ids_or_referred(msg.req_ids, msg.req_ids_as_scheduled, scheduled, "its step's requests")
     sampled = split_one_each_or_counts(list(msg.sampled_token_ids), list(msg.num_sampled_token_ids))
-    logprobs: list[m.TokenLogprobs | None] = [None] * len(req_ids)
+    logprobs: list[messages.TokenLogprobs | None] = [None] * len(req_ids)
     for i, lp in zip(msg.logprobs_req_indices, msg.logprobs):
         logprobs[i] = token_logprobs_from_pb(lp)
-    return m.ModelRunnerOutput(
+    return messages.ModelRunnerOutput(
         req_ids=req_ids,
         sampled_token_ids=sampled,
         logprobs=logprobs,
@@ -219,12 +219,12 @@ def model_runner_output_from_pb(msg: w_pb.ModelRunnerOutput, scheduled: list[str
     )
 
 
-def kv_cache_spec_to_pb(spec: m.KVCacheSpec) -> w_pb.DescribeKVCacheResponse:
+def kv_cache_spec_to_pb(spec: messages.KVCacheSpec) -> w_pb.DescribeKVCacheResponse:
     return w_pb.DescribeKVCacheResponse(**vars(spec))
 
 
-def kv_cache_spec_from_pb(msg: w_pb.DescribeKVCacheResponse) -> m.KVCacheSpec:
-    return flat_from_pb(m.KVCacheSpec, msg)
+def kv_cache_spec_from_pb(msg: w_pb.DescribeKVCacheResponse) -> messages.KVCacheSpec:
+    return flat_from_pb(messages.KVCacheSpec, msg)
 
 
 class StepEncoder:
@@ -235,12 +235,12 @@ class StepEncoder:
         self._last: _LastStep | None = None  # the step sent last, unless an answer said a step failed
         self._in_flight: deque[tuple[int, list[str]]] = deque()  # (step_id, scheduled ids), oldest first
 
-    def encode(self, s: m.SchedulerOutput) -> w_pb.SchedulerOutput:
-        msg, self._last, scheduled = _encode_step(s, self._last)
-        self._in_flight.append((s.step_id, scheduled))
+    def encode(self, step: messages.SchedulerOutput) -> w_pb.SchedulerOutput:
+        msg, self._last, scheduled = _encode_step(step, self._last)
+        self._in_flight.append((step.step_id, scheduled))
         return msg
 
-    def decode_output(self, response: w_pb.ExecuteModelResponse) -> m.ModelRunnerOutput:
+    def decode_output(self, response: w_pb.ExecuteModelResponse) -> messages.ModelRunnerOutput:
         """The output of the oldest step in flight. Raises StepFailed if the worker failed that step;
         ValueError if the answer is not that step's (the stream is out of step)."""
         out = response.model_runner_output
@@ -263,18 +263,18 @@ class StepDecoder:
         self._last: _LastStep | None = None  # the last step answered with an output
         self._current: tuple[_LastStep, list[str]] | None = None  # decoded, not answered; scheduled ids
 
-    def decode(self, msg: w_pb.SchedulerOutput) -> m.SchedulerOutput:
+    def decode(self, msg: w_pb.SchedulerOutput) -> messages.SchedulerOutput:
         last, self._last = self._last, None  # until this step has run, the next may not refer to it
         s, step = _decode_step(msg, last)
         self._current = (step, list(s.num_scheduled_tokens))
         return s
 
-    def encode_output(self, o: m.ModelRunnerOutput) -> w_pb.ExecuteModelResponse:
+    def encode_output(self, output: messages.ModelRunnerOutput) -> w_pb.ExecuteModelResponse:
         """The answer of the step decoded last, which ran: the next step may refer to it."""
         if self._current is None:
             raise RuntimeError("no step decoded to answer")
         (self._last, scheduled), self._current = self._current, None
-        return w_pb.ExecuteModelResponse(model_runner_output=model_runner_output_to_pb(o, scheduled))
+        return w_pb.ExecuteModelResponse(model_runner_output=model_runner_output_to_pb(output, scheduled))
 
     def encode_failure(self, step_id: int, message: str) -> w_pb.ExecuteModelResponse:
         """The answer of a step that failed to decode or to run: the next step may not refer to it."""

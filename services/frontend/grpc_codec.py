@@ -7,7 +7,7 @@ bodies: every refusal is a 400 naming the field.
 """
 from __future__ import annotations
 
-from services.common import messages as m
+from services.common import messages
 from services.common.pb import generate_pb2 as pb
 from services.frontend.errors import invalid_request
 from services.frontend.protocol import CompletionRequest, GenerationOptions, check_sampling_params
@@ -21,10 +21,10 @@ _FINISH_REASONS = {
 
 
 # --- requests ------------------------------------------------------------------------------------
-def sampling_params_from_pb(msg: pb.GenerateRequest.SamplingParams) -> m.SamplingParams:
+def sampling_params_from_pb(msg: pb.GenerateRequest.SamplingParams) -> messages.SamplingParams:
     """Proto3 zero values mean "unset" where zero is meaningless: n 0 is 1, top_p and
     repetition_penalty 0 are 1; top_k -1 is vLLM's spelling of "disabled", as 0 is."""
-    return m.SamplingParams(
+    return messages.SamplingParams(
         n=msg.n or 1,
         temperature=msg.temperature,
         top_p=msg.top_p if msg.top_p > 0 else 1.0,
@@ -87,7 +87,7 @@ def finish_reason_to_pb(reason: str | None) -> int:
     return _FINISH_REASONS[reason]
 
 
-def token_logprobs_to_pb(lp: m.TokenLogprobs | None) -> pb.GenerateResponse.TokenLogprobs:
+def token_logprobs_to_pb(lp: messages.TokenLogprobs | None) -> pb.GenerateResponse.TokenLogprobs:
     if lp is None:  # rank 0 marks "absent": real ranks start at 1
         return pb.GenerateResponse.TokenLogprobs()
     return pb.GenerateResponse.TokenLogprobs(
@@ -114,7 +114,7 @@ def generate_response_to_pb(request_id: str, index: int, delta: TextDelta, num_p
 
 
 def model_info_to_pb(model_name: str, max_model_len: int, eos_token_ids: tuple[int, ...],
-                     info: m.EngineInfo) -> pb.GetModelInfoResponse:
+                     info: messages.EngineInfo) -> pb.GetModelInfoResponse:
     """The served model (its name and context length as the frontend serves it) and the engine's facts."""
     return pb.GetModelInfoResponse(
         model_name=model_name, max_model_len=max_model_len, vocab_size=info.vocab_size,

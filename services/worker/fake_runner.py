@@ -54,13 +54,13 @@ class FakeModelRunner:
     def reset(self) -> None:
         self.requests.clear()
 
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter_ns()
-        self._update_states(so)
+        self._update_states(scheduler_output)
         req_ids: list[str] = []
         sampled: list[list[int]] = []
         logprobs: list[TokenLogprobs | None] = []
-        for req_id, num_scheduled in so.num_scheduled_tokens.items():
+        for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             if num_scheduled <= 0:
                 continue
             state = self.requests.get(req_id)
@@ -81,16 +81,16 @@ class FakeModelRunner:
                 sampled.append([])
                 logprobs.append(None)
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs,
-                                 prepare_ns=time.perf_counter_ns() - start, step_id=so.step_id)
+                                 prepare_ns=time.perf_counter_ns() - start, step_id=scheduler_output.step_id)
 
-    def _update_states(self, so: SchedulerOutput) -> None:
-        for req_id in so.finished_req_ids:
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
         # Preempted requests keep their state: they come back as resumed cached requests.
-        for new in so.scheduled_new_reqs:
+        for new in scheduler_output.scheduled_new_reqs:
             self.requests[new.req_id] = _FakeRequestState(
                 len(new.prompt_token_ids), new.num_computed_tokens, new.sampling_params.logprobs is not None)
-        cached = so.scheduled_cached_reqs
+        cached = scheduler_output.scheduled_cached_reqs
         requests = self.requests
         try:
             for req_id, num_computed in zip(cached.req_ids, cached.num_computed_tokens, strict=True):

@@ -38,13 +38,13 @@ class WorkerMetrics:
                        self._iteration_tokens.labels(model_name), self._steps.labels(model_name),
                        self._failed_steps.labels(model_name))
 
-    def on_step(self, so: SchedulerOutput, output: ModelRunnerOutput) -> None:
-        if self._bound is None or so.total_num_scheduled_tokens == 0:
+    def on_step(self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput) -> None:
+        if self._bound is None or scheduler_output.total_num_scheduled_tokens == 0:
             return  # empty steps only tell the worker which requests finished
         step_time, forward_time, iteration_tokens, steps, _ = self._bound
         step_time.observe((output.prepare_ns + output.forward_ns + output.sample_ns) / 1e9)
         forward_time.observe(output.forward_ns / 1e9)
-        iteration_tokens.observe(so.total_num_scheduled_tokens)
+        iteration_tokens.observe(scheduler_output.total_num_scheduled_tokens)
         steps.inc()
 
     def on_step_failed(self) -> None:

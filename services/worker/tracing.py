@@ -40,22 +40,22 @@ class WorkerTracer:
     def num_open_spans(self) -> int:
         return len(self._requests)
 
-    def on_step(self, so: SchedulerOutput, output: ModelRunnerOutput, start_s: float, end_s: float) -> None:
+    def on_step(self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput, start_s: float, end_s: float) -> None:
         """Ends spans of finished requests, starts spans of new traced ones, records this step."""
-        for req_id in so.finished_req_ids:
+        for req_id in scheduler_output.finished_req_ids:
             if req_id in self._requests:
                 self._end(req_id, "finished")
-        for req_id in so.preempted_req_ids:
+        for req_id in scheduler_output.preempted_req_ids:
             if req_id in self._requests:
                 self._requests[req_id].span.add_event("preempted", timestamp=seconds_to_ns(start_s))
-        for new in so.scheduled_new_reqs:
+        for new in scheduler_output.scheduled_new_reqs:
             if new.traceparent and new.req_id not in self._requests:
                 self._start(new.req_id, new.traceparent, start_s, len(new.prompt_token_ids))
         if not self._requests:
             return
         step_s = end_s - start_s
-        batch_size = len(so.num_scheduled_tokens)
-        for req_id, num_tokens in so.num_scheduled_tokens.items():
+        batch_size = len(scheduler_output.num_scheduled_tokens)
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self._requests.get(req_id)
             if request is None:
                 continue
@@ -65,10 +65,10 @@ class WorkerTracer:
             request.last_end_s = end_s
             if num_tokens > 1:
                 request.span.add_event("prefill_chunk", timestamp=seconds_to_ns(start_s), attributes={
-                    "spindle.step_id": so.step_id,
+                    "spindle.step_id": scheduler_output.step_id,
                     "spindle.num_tokens": num_tokens,
                     "spindle.batch_size": batch_size,
-                    "spindle.batch_num_tokens": so.total_num_scheduled_tokens,
+                    "spindle.batch_num_tokens": scheduler_output.total_num_scheduled_tokens,
                     "spindle.step_time_s": step_s,
                     "spindle.forward_time_s": output.forward_ns / 1e9,
                 })
