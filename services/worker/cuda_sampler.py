@@ -2,11 +2,15 @@
 
 1. logits to float32; raw logprobs (PyTorch, before processing) only if some row asks;
 2. logit bias, penalties and min_tokens bans: one sparse kernel over the touched (row, token)
-   entries, merged on the host (they come from host lists anyway);
+   entries, merged on the host from the metadata's host arrays and copied in once;
 3. one kernel, one CTA per row: greedy argmax, or temperature + min-p + top-k + top-p and a draw
    by the exponential race with Philox noise. A seeded request's noise is keyed by its seed and a
    per-request counter that advances every step, so it draws the same tokens wherever it sits in
-   the batch; unseeded rows get fresh 64-bit keys from torch's default generator.
+   the batch; unseeded rows get fresh 64-bit keys from the device's default generator.
+
+Nothing read back from the device feeds a later launch: the knobs arrive as device tensors, the
+processors' entries and the seeded rows' keys are built on the host and copied in, and the only
+device-to-host copies are the results (sampled tokens, logprobs).
 """
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ class CudaSampler(Sampler):
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        entries = _sparse_entries(metadata, num_rows)
+        entries = _sparse_entries(metadata)
         if len(entries):  # in place, as TorchSampler's processors are
             presence, frequency, repetition = _penalty_columns(metadata, num_rows, device)
             self._launch(sampling_ops.apply_sparse_logits(logits, entries.to(device), presence, frequency, repetition))
@@ -48,22 +52,10 @@ class CudaSampler(Sampler):
             self.launcher(launch)
 
 
-def _sparse_entries(m: SamplingMetadata, num_rows: int) -> sampling_ops.SparseLogitEntries:
-    bias = banned = None
-    if m.logit_bias is not None:
-        bias = [{} for _ in range(num_rows)]
-        for row, token, value in zip(*(t.tolist() for t in m.logit_bias)):
-            bias[row][token] = bias[row].get(token, 0.0) + value
-    if m.banned is not None:
-        banned = [[] for _ in range(num_rows)]
-        for row, token in zip(*(t.tolist() for t in m.banned)):
-            banned[row].append(token)
+def _sparse_entries(m: SamplingMetadata) -> sampling_ops.SparseLogitEntries:
     p = m.penalties
     return sampling_ops.merge_entries(
-        num_rows, bias, banned,
-        p.prompt_token_ids if p is not None else None,
-        p.output_token_ids if p is not None else None,
-    )
+        m.logit_bias, m.banned, (p.rows, p.prompt_token_ids, p.output_token_ids) if p is not None else None)
 
 
 def _penalty_columns(m: SamplingMetadata, num_rows: int, device) -> tuple[torch.Tensor, ...]:
@@ -87,10 +79,14 @@ def _row_params(m: SamplingMetadata, num_rows: int, vocab_size: int, device) -> 
              else torch.zeros(num_rows, dtype=torch.int32, device=device))
     top_p = m.top_p.float() if m.top_p is not None else torch.ones(num_rows, dtype=torch.float32, device=device)
     min_p = m.min_p.float() if m.min_p is not None else torch.zeros(num_rows, dtype=torch.float32, device=device)
-    keys = torch.randint(-(2**63), 2**63 - 1, (num_rows, 2), dtype=torch.int64).numpy()  # unseeded rows
-    for row, generator in m.generators.items():
-        keys[row] = philox_key(generator)
-    keys = torch.from_numpy(keys).to(device)
+    if m.all_greedy:  # no row draws: its key is never read
+        keys = torch.zeros((num_rows, 2), dtype=torch.int64, device=device)
+    else:  # unseeded rows: fresh keys from the device's default generator, made where they are read
+        keys = torch.randint(-(2**63), 2**63 - 1, (num_rows, 2), dtype=torch.int64, device=device)
+    if m.generators:  # seeded rows' keys come from the host: one copy of (row, seed, offset) triples
+        seeded = torch.tensor([(row, *philox_key(g)) for row, g in m.generators.items()], dtype=torch.int64)
+        seeded = seeded.to(device)
+        keys[seeded[:, 0]] = seeded[:, 1:]
     return (temperature, top_k.contiguous(), top_p.contiguous(), min_p.contiguous(),
             keys[:, 0].contiguous(), keys[:, 1].contiguous())
 

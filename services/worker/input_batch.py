@@ -3,10 +3,18 @@
 A request gets a row when the scheduler first sends it (or resumes it) and keeps it until it
 finishes or is preempted; each step only applies the scheduler's diff. Rows stay dense: removing
 a request leaves a hole that `condense` fills with the last rows.
+
+Sampling knobs live here too, as vLLM's `InputBatch` keeps them: per-row arrays filled once in
+`add_request` and moved with their row, so a step's `SamplingMetadata` is an index into them
+(sampling_metadata.py), never a walk over the requests' `SamplingParams`. Per knob the batch counts
+the rows that use it, so a batch in which no row uses any knob (all greedy, no logits processors,
+no logprobs) samples without looking at the arrays at all. The rows' tokens (`token_ids_cpu`,
+prompt then output, appended as tokens are sampled) are the history penalties and min_tokens read.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import IntEnum
 
 import numpy as np
 import torch
@@ -33,6 +41,25 @@ class CachedRequestState:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
 
+class Knob(IntEnum):
+    """Row flags of `InputBatch.knob_flags_cpu`, one per knob that needs work when a row uses it."""
+
+    RANDOM = 0  # not greedy: temperature, and a draw
+    SEEDED = 1  # random with its own generator
+    TOP_K = 2  # random with top_k > 0 (the sampler also ignores a top_k of the vocabulary or more)
+    TOP_P = 3  # random with top_p < 1
+    MIN_P = 4  # random with min_p > 0
+    PENALTIES = 5  # presence, frequency or repetition penalty (greedy rows too)
+    LOGIT_BIAS = 6
+    MIN_TOKENS = 7  # stop tokens banned until min_tokens outputs
+    LOGPROBS = 8
+
+
+# Rows of `InputBatch.float_knobs_cpu`: one gather of its columns gives a step all its float knobs.
+FLOAT_KNOBS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+TEMPERATURE, TOP_P, MIN_P, PRESENCE, FREQUENCY, REPETITION = range(len(FLOAT_KNOBS))
+
+
 class InputBatch:
     def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int):
         self.max_num_reqs = max_num_reqs
@@ -42,9 +69,26 @@ class InputBatch:
         self.req_id_to_index: dict[str, int] = {}
         self.token_ids_cpu = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens_cpu = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = BlockTable(max_num_reqs, -(-max_model_len // block_size), block_size)
         self._num_rows = 0  # rows [0, _num_rows) are in use, possibly with holes until condense()
+        # Sampling knobs, knob-major so that a gather of the step's rows is contiguous per knob.
+        self.float_knobs_cpu = np.zeros((len(FLOAT_KNOBS), max_num_reqs), dtype=np.float32)
+        # 1.0 on greedy rows: what the sampler divides their logits by (their draw is discarded).
+        self.temperature_cpu = self.float_knobs_cpu[TEMPERATURE]
+        self.top_p_cpu = self.float_knobs_cpu[TOP_P]
+        self.min_p_cpu = self.float_knobs_cpu[MIN_P]
+        self.presence_penalty_cpu = self.float_knobs_cpu[PRESENCE]
+        self.frequency_penalty_cpu = self.float_knobs_cpu[FREQUENCY]
+        self.repetition_penalty_cpu = self.float_knobs_cpu[REPETITION]
+        self.top_k_cpu = np.zeros(max_num_reqs, dtype=np.int64)  # as requested; <= 0 is off
+        self.min_tokens_cpu = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_logprobs_cpu = np.full(max_num_reqs, -1, dtype=np.int64)  # -1: not requested
+        self.knob_flags_cpu = np.zeros((len(Knob), max_num_reqs), dtype=bool)
+        self.num_rows_using = np.zeros(len(Knob), dtype=np.int64)  # live rows with each flag set
+        self.generators: dict[int, torch.Generator] = {}  # row -> generator of a seeded request
+        self.logit_bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # row -> (token ids, biases)
 
     @property
     def num_reqs(self) -> int:
@@ -69,9 +113,42 @@ class InputBatch:
         self.token_ids_cpu[row, : len(state.prompt_token_ids)] = state.prompt_token_ids
         self.token_ids_cpu[row, len(state.prompt_token_ids) : num_tokens] = state.output_token_ids
         self.num_tokens[row] = num_tokens
+        self.num_prompt_tokens[row] = len(state.prompt_token_ids)
         self.num_computed_tokens_cpu[row] = state.num_computed_tokens
         self.block_table.add_row(state.block_ids, row)
+        self._set_sampling_row(row, state.sampling_params, state.generator)
         return row
+
+    def _set_sampling_row(self, row: int, p: SamplingParams, generator: torch.Generator | None) -> None:
+        self._clear_sampling_row(row)  # a resumed request replaces its own row
+        is_random = not p.is_greedy
+        self.float_knobs_cpu[:, row] = (p.temperature if is_random else 1.0, p.top_p, p.min_p,
+                                        p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
+        self.top_k_cpu[row] = p.top_k
+        self.min_tokens_cpu[row] = p.min_tokens
+        self.num_logprobs_cpu[row] = -1 if p.logprobs is None else p.logprobs
+        flags = self.knob_flags_cpu[:, row]
+        flags[Knob.RANDOM] = is_random
+        flags[Knob.SEEDED] = is_random and generator is not None
+        flags[Knob.TOP_K] = is_random and p.top_k > 0
+        flags[Knob.TOP_P] = is_random and p.top_p < 1.0
+        flags[Knob.MIN_P] = is_random and p.min_p > 0.0
+        flags[Knob.PENALTIES] = bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
+        flags[Knob.LOGIT_BIAS] = bool(p.logit_bias)
+        flags[Knob.MIN_TOKENS] = p.min_tokens > 0
+        flags[Knob.LOGPROBS] = p.logprobs is not None
+        self.num_rows_using += flags
+        if generator is not None:
+            self.generators[row] = generator
+        if p.logit_bias:
+            self.logit_bias[row] = (np.fromiter(p.logit_bias.keys(), dtype=np.int64, count=len(p.logit_bias)),
+                                    np.fromiter(p.logit_bias.values(), dtype=np.float32, count=len(p.logit_bias)))
+
+    def _clear_sampling_row(self, row: int) -> None:
+        self.num_rows_using -= self.knob_flags_cpu[:, row]
+        self.knob_flags_cpu[:, row] = False
+        self.generators.pop(row, None)
+        self.logit_bias.pop(row, None)
 
     def remove_request(self, req_id: str) -> int | None:
         """Frees the request's row (a hole until `condense`); returns it, or None if absent."""
@@ -81,6 +158,7 @@ class InputBatch:
         self.req_ids[row] = None
         self.requests[row] = None
         self.block_table.clear_row(row)
+        self._clear_sampling_row(row)
         return row
 
     def condense(self) -> None:
@@ -96,14 +174,22 @@ class InputBatch:
         self._num_rows = dst
 
     def _move_row(self, src: int, dst: int) -> None:
+        """Moves every per-row array and map entry of row `src` into the hole at row `dst`."""
         req_id = self.req_ids[src]
         num_tokens = int(self.num_tokens[src])
         self.req_ids[dst], self.requests[dst] = req_id, self.requests[src]
         self.req_ids[src] = self.requests[src] = None
         self.req_id_to_index[req_id] = dst
         self.token_ids_cpu[dst, :num_tokens] = self.token_ids_cpu[src, :num_tokens]
-        self.num_tokens[dst] = num_tokens
-        self.num_computed_tokens_cpu[dst] = self.num_computed_tokens_cpu[src]
+        for per_row in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens_cpu, self.top_k_cpu,
+                        self.min_tokens_cpu, self.num_logprobs_cpu):
+            per_row[dst] = per_row[src]
+        for per_row in (self.float_knobs_cpu, self.knob_flags_cpu):
+            per_row[:, dst] = per_row[:, src]
+        self.knob_flags_cpu[:, src] = False  # counts unchanged: the row moved, it did not leave
+        for by_row in (self.generators, self.logit_bias):
+            if src in by_row:
+                by_row[dst] = by_row.pop(src)
         self.block_table.move_row(src, dst)
         self.block_table.clear_row(src)
 

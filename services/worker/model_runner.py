@@ -216,19 +216,11 @@ class ModelRunner:
         )
 
     def _sample(self, inputs: ModelInputs, logits: torch.Tensor, sampled: list, logprobs: list) -> None:
-        states = [self.input_batch.requests[int(inputs.rows[i])] for i in inputs.sample_indices]
-        metadata = build_sampling_metadata(
-            params=[s.sampling_params for s in states],
-            generators=[s.generator for s in states],
-            prompt_token_ids=[s.prompt_token_ids for s in states],
-            output_token_ids=[s.output_token_ids for s in states],
-            eos_token_ids=self.eos_token_ids,
-            vocab_size=self.vocab_size,
-            device=self.device,
-        )
+        rows = inputs.rows[inputs.sample_indices]
+        metadata = build_sampling_metadata(self.input_batch, rows, self.eos_token_ids, self.vocab_size, self.device)
         output = self.sampler(logits, metadata)
-        for j, i in enumerate(inputs.sample_indices.tolist()):
-            token_id = output.sampled_token_ids[j]
-            self.input_batch.append_token(int(inputs.rows[i]), token_id)
+        for i, row, token_id, token_logprobs in zip(inputs.sample_indices.tolist(), rows.tolist(),
+                                                    output.sampled_token_ids, output.logprobs, strict=True):
+            self.input_batch.append_token(row, token_id)
             sampled[i] = [token_id]
-            logprobs[i] = output.logprobs[j]
+            logprobs[i] = token_logprobs

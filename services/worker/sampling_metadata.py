@@ -1,33 +1,20 @@
-"""Per-step sampling tensors, materialised only for the knobs the batch actually uses."""
+"""A step's sampling inputs, sliced from the persistent batch's per-row arrays (input_batch.py).
+
+Tensors are materialised only for the knobs the step's rows use; when no row of the whole batch
+uses any, the metadata is the greedy fast path's and no array is even indexed. On a device, the
+step's knob values cross in at most two host-to-device copies: the float knobs (all six, gathered
+by one index) and the integer ones. Logit bias, min_tokens bans and the penalties' token history stay host arrays: each sampler
+turns them into what it needs (dense index lists, or the CUDA kernel's sparse entries) and copies
+that once, so nothing goes to the device and back.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from services.common.messages import SamplingParams
-
-@dataclass(frozen=True)
-class SamplingMetadata:
-    """Row i describes logits row i. A None tensor means no row of the batch uses that knob."""
-
-    all_greedy: bool
-    is_greedy: torch.Tensor | None  # [N] bool, None when all rows are greedy or all random
-    temperature: torch.Tensor | None  # [N, 1], 1.0 on greedy rows; None when all greedy
-    top_k: torch.Tensor | None  # [N] int64, vocab size where disabled
-    top_p: torch.Tensor | None  # [N] float
-    min_p: torch.Tensor | None  # [N] float
-    generators: dict[int, torch.Generator] = field(default_factory=dict)  # seeded rows
-    num_logprobs: list[int | None] = field(default_factory=list)  # per row; None = not requested
-    # Logits processors (see logits_processors.py); empty/None when unused.
-    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, token ids, biases
-    banned: tuple[torch.Tensor, torch.Tensor] | None = None  # rows, token ids (min_tokens not reached)
-    penalties: "PenaltyMetadata | None" = None
-
-    @property
-    def max_num_logprobs(self) -> int | None:
-        wanted = [n for n in self.num_logprobs if n is not None]
-        return max(wanted) if wanted else None
+from services.worker.input_batch import FREQUENCY, MIN_P, PRESENCE, REPETITION, TEMPERATURE, TOP_P, InputBatch, Knob
 
 
 @dataclass(frozen=True)
@@ -35,87 +22,120 @@ class PenaltyMetadata:
     presence: torch.Tensor  # [N, 1]
     frequency: torch.Tensor  # [N, 1]
     repetition: torch.Tensor  # [N, 1]
-    prompt_token_ids: list[list[int]]
-    output_token_ids: list[list[int]]
+    # Host arrays for the P rows that have a penalty (the others' factors are neutral):
+    rows: np.ndarray  # [P] int64, their logits rows
+    prompt_token_ids: np.ndarray  # [P, L] int64, -1 past the row's prompt
+    output_token_ids: np.ndarray  # [P, L] int64, -1 where the row has no output token
+
+
+@dataclass(frozen=True)
+class SamplingMetadata:
+    """Row i describes logits row i. A None field means no row of the step uses that knob."""
+
+    all_greedy: bool
+    is_greedy: torch.Tensor | None = None  # [N] bool, None when all rows are greedy or all random
+    temperature: torch.Tensor | None = None  # [N, 1], 1.0 on greedy rows; None when all greedy
+    top_k: torch.Tensor | None = None  # [N] int64, vocab size where disabled
+    top_p: torch.Tensor | None = None  # [N] float
+    min_p: torch.Tensor | None = None  # [N] float
+    generators: dict[int, torch.Generator] = field(default_factory=dict)  # seeded random rows
+    num_logprobs: list[int | None] | None = None  # per row (None: not requested); None if no row asks
+    max_num_logprobs: int | None = None
+    # Logits processors (see logits_processors.py), host arrays:
+    logit_bias: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # rows, token ids, biases (float32)
+    banned: tuple[np.ndarray, np.ndarray] | None = None  # rows, token ids (min_tokens not reached)
+    penalties: PenaltyMetadata | None = None
 
 
 def build_sampling_metadata(
-    params: list[SamplingParams],
-    generators: list[torch.Generator | None],
-    prompt_token_ids: list[list[int]],
-    output_token_ids: list[list[int]],
+    batch: InputBatch,
+    rows: np.ndarray,
     eos_token_ids: tuple[int, ...],
     vocab_size: int,
     device: torch.device,
 ) -> SamplingMetadata:
-    """Row i samples for a request with `params[i]`, `generators[i]` and its tokens so far."""
-    greedy = [p.is_greedy for p in params]
-    all_greedy, all_random = all(greedy), not any(greedy)
-    random_rows = [p for p, g in zip(params, greedy) if not g]
-
-    def column(values, dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=device)
-
-    temperature = top_k = top_p = min_p = None
-    if not all_greedy:
-        temperature = column([1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32)[:, None]
-        if any(0 < p.top_k < vocab_size for p in random_rows):
-            top_k = column([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], torch.long)
-        if any(p.top_p < 1.0 for p in random_rows):
-            top_p = column([p.top_p for p in params], torch.float32)
-        if any(p.min_p > 0.0 for p in random_rows):
-            min_p = column([p.min_p for p in params], torch.float32)
-    seeded = {i: g for i, g in enumerate(generators) if g is not None and not greedy[i]}
+    """Logits row i samples for the request in persistent-batch row `rows[i]`."""
+    if not batch.num_rows_using.any():
+        return SamplingMetadata(all_greedy=True)
+    flags = batch.knob_flags_cpu[:, rows]
+    in_use = flags.any(axis=1)
+    all_greedy = not in_use[Knob.RANDOM]
+    ints = {}  # the step's integer knobs, for one copy
+    if not all_greedy and not flags[Knob.RANDOM].all():
+        ints["is_greedy"] = ~flags[Knob.RANDOM]
+    if in_use[Knob.TOP_K]:
+        top_k = batch.top_k_cpu[rows]
+        is_on = (top_k > 0) & (top_k < vocab_size)
+        if (is_on & flags[Knob.TOP_K]).any():
+            ints["top_k"] = np.where(is_on, top_k, vocab_size)
+    has_penalties = in_use[Knob.PENALTIES]
+    floats = None  # all six float knobs of the step's rows: one gather, one copy
+    if not all_greedy or has_penalties:
+        floats = _to_device(batch.float_knobs_cpu.take(rows, axis=1), device)
+    if ints:
+        ints = dict(zip(ints, _to_device(np.stack([v.astype(np.int64) for v in ints.values()]), device)))
+    num_logprobs = max_num_logprobs = None
+    if in_use[Knob.LOGPROBS]:
+        counts = batch.num_logprobs_cpu[rows]
+        num_logprobs, max_num_logprobs = [n if n >= 0 else None for n in counts.tolist()], int(counts.max())
     return SamplingMetadata(
         all_greedy=all_greedy,
-        is_greedy=None if all_greedy or all_random else column(greedy, torch.bool),
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        generators=seeded,
-        num_logprobs=[p.logprobs for p in params],
-        logit_bias=_logit_bias(params, device),
-        banned=_banned(params, output_token_ids, eos_token_ids, device),
-        penalties=_penalties(params, prompt_token_ids, output_token_ids, device),
+        is_greedy=ints["is_greedy"].bool() if "is_greedy" in ints else None,
+        temperature=None if all_greedy else floats[TEMPERATURE, :, None],
+        top_k=ints.get("top_k"),
+        top_p=floats[TOP_P] if in_use[Knob.TOP_P] else None,
+        min_p=floats[MIN_P] if in_use[Knob.MIN_P] else None,
+        generators=_generators(batch, rows, flags[Knob.SEEDED]) if in_use[Knob.SEEDED] else {},
+        num_logprobs=num_logprobs,
+        max_num_logprobs=max_num_logprobs,
+        logit_bias=_logit_bias(batch, rows, flags[Knob.LOGIT_BIAS]) if in_use[Knob.LOGIT_BIAS] else None,
+        banned=_banned(batch, rows, flags[Knob.MIN_TOKENS], eos_token_ids) if in_use[Knob.MIN_TOKENS] else None,
+        penalties=_penalties(batch, rows, flags[Knob.PENALTIES], floats) if has_penalties else None,
     )
 
 
-def _logit_bias(params, device):
-    rows, tokens, biases = [], [], []
-    for i, p in enumerate(params):
-        for token, bias in p.logit_bias.items():
-            rows.append(i), tokens.append(int(token)), biases.append(float(bias))
-    if not rows:
-        return None
-    return (torch.tensor(rows, device=device), torch.tensor(tokens, device=device),
-            torch.tensor(biases, dtype=torch.float32, device=device))
+def _to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """One copy of a step's gathered knob values (already a fresh array: no view of the batch)."""
+    return torch.from_numpy(values).to(device)
 
 
-def _banned(params, output_token_ids, eos_token_ids, device):
+def _generators(batch: InputBatch, rows: np.ndarray, is_seeded: np.ndarray) -> dict[int, torch.Generator]:
+    return {int(i): batch.generators[int(rows[i])] for i in np.flatnonzero(is_seeded)}
+
+
+def _logit_bias(batch: InputBatch, rows: np.ndarray, has_bias: np.ndarray):
+    biased = np.flatnonzero(has_bias)
+    entries = [batch.logit_bias[int(rows[i])] for i in biased]
+    return (np.repeat(biased, [len(tokens) for tokens, _ in entries]),
+            np.concatenate([tokens for tokens, _ in entries]), np.concatenate([biases for _, biases in entries]))
+
+
+def _banned(batch: InputBatch, rows: np.ndarray, has_min_tokens: np.ndarray, eos_token_ids: tuple[int, ...]):
     """Stop tokens are banned while a request has fewer than min_tokens outputs."""
-    rows, tokens = [], []
-    for i, (p, out) in enumerate(zip(params, output_token_ids)):
-        if len(out) < p.min_tokens:
-            stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-            rows += [i] * len(stop_ids)
-            tokens += sorted(stop_ids)
-    if not rows:
+    num_output = batch.num_tokens[rows] - batch.num_prompt_tokens[rows]
+    short = np.flatnonzero(has_min_tokens & (num_output < batch.min_tokens_cpu[rows]))
+    stop_ids = []
+    for i in short.tolist():  # only rows still short of min_tokens: the first few steps of a few requests
+        p = batch.requests[int(rows[i])].sampling_params
+        stop_ids.append(sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))))
+    if not any(stop_ids):
         return None
-    return torch.tensor(rows, device=device), torch.tensor(tokens, device=device)
+    return (np.repeat(short, [len(ids) for ids in stop_ids]),
+            np.fromiter((t for ids in stop_ids for t in ids), dtype=np.int64))
 
 
-def _penalties(params, prompt_token_ids, output_token_ids, device):
-    if not any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params):
-        return None
-
-    def column(values):
-        return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
-
+def _penalties(batch: InputBatch, rows: np.ndarray, has_penalty: np.ndarray, floats: torch.Tensor) -> PenaltyMetadata:
+    penalised = np.arange(len(rows)) if has_penalty.all() else np.flatnonzero(has_penalty)
+    batch_rows = rows[penalised]
+    num_prompt = batch.num_prompt_tokens[batch_rows][:, None]
+    num_tokens = batch.num_tokens[batch_rows][:, None]
+    token_ids = batch.token_ids_cpu[batch_rows, : int(num_tokens.max())]
+    positions = np.arange(token_ids.shape[1])
     return PenaltyMetadata(
-        presence=column([p.presence_penalty for p in params]),
-        frequency=column([p.frequency_penalty for p in params]),
-        repetition=column([p.repetition_penalty for p in params]),
-        prompt_token_ids=prompt_token_ids,
-        output_token_ids=output_token_ids,
+        presence=floats[PRESENCE, :, None],
+        frequency=floats[FREQUENCY, :, None],
+        repetition=floats[REPETITION, :, None],
+        rows=penalised,
+        prompt_token_ids=np.where(positions < num_prompt, token_ids, -1),
+        output_token_ids=np.where((positions >= num_prompt) & (positions < num_tokens), token_ids, -1),
     )

@@ -13,9 +13,9 @@ from services.worker.cuda_sampler import CudaSampler, _sparse_entries
 from services.worker.kernels import sampling_ops
 from services.worker.logits_processors import apply_logits_processors
 from services.worker.sampler import TorchSampler
-from services.worker.sampling_metadata import build_sampling_metadata
 from tests.kernels.philox_reference import MASK32, expected_draw, gumbel_noise, philox4x32_10
 from tests.oracles import RowKnobs, reference_kept
+from tests.worker.sampling_batch import metadata_for
 
 
 def draw(shim, logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, offsets=None):
@@ -217,13 +217,13 @@ def test_sparse_processors_match_the_torch_processors(shim):
     ]
     prompts = [[1, 2, 3], [4, 4, 5, 6], [7], [5, 8, 9]]
     outputs = [[3, 3], [5, 6, 6, 6, 11], [], [2, 5]]
-    md = build_sampling_metadata(params, [None] * 4, prompts, outputs, (2,), vocab_size, torch.device("cpu"))
+    md = metadata_for(params, [None] * 4, prompts, outputs, (2,), vocab_size)
     logits = torch.randn(4, vocab_size)
     expected = apply_logits_processors(logits.clone(), md)
     got = logits.clone()
     presence, frequency, repetition = (t.reshape(-1).contiguous() for t in
                                        (md.penalties.presence, md.penalties.frequency, md.penalties.repetition))
-    shim(sampling_ops.apply_sparse_logits(got, _sparse_entries(md, 4).to("cpu"), presence, frequency, repetition))
+    shim(sampling_ops.apply_sparse_logits(got, _sparse_entries(md).to("cpu"), presence, frequency, repetition))
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
 
 
@@ -236,7 +236,7 @@ def test_cuda_sampler_agrees_with_torch_sampler_on_greedy_rows_and_logprobs(shim
 
     def metadata(seed):
         gens = [None, torch.Generator().manual_seed(seed), None, None]
-        return build_sampling_metadata(params, gens, prompts, outputs, (0,), vocab_size, torch.device("cpu"))
+        return metadata_for(params, gens, prompts, outputs, (0,), vocab_size)
 
     torch_out = TorchSampler()(logits.clone(), metadata(42))
     cuda_out = CudaSampler(shim)(logits.clone(), metadata(42))

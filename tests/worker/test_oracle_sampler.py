@@ -12,7 +12,7 @@ from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsW
 
 from services.common.messages import SamplingParams
 from services.worker import sampler
-from services.worker.sampling_metadata import build_sampling_metadata
+from sampling_batch import metadata_for
 from tests.oracles import RowKnobs, check_kept_sets, reference_kept
 
 VOCAB = 4096
@@ -49,8 +49,7 @@ def sampler_kept(logits: torch.Tensor, knobs: list[RowKnobs], monkeypatch) -> to
     monkeypatch.setattr(sampler, "apply_min_p", spy("min_p", sampler.apply_min_p))
     monkeypatch.setattr(sampler, "apply_top_k_top_p", spy("top_k_top_p", sampler.apply_top_k_top_p))
     params = [SamplingParams(temperature=k.temperature, top_k=k.top_k, top_p=k.top_p, min_p=k.min_p) for k in knobs]
-    metadata = build_sampling_metadata(params, [None] * len(params), [[]] * len(params), [[]] * len(params), (),
-                                       VOCAB, torch.device("cpu"))
+    metadata = metadata_for(params, [None] * len(params), [[]] * len(params), [[]] * len(params), (), VOCAB)
     sampler.TorchSampler()(logits.clone(), metadata)
     names = [name for name, _, _ in calls]
     uses_min_p = any(k.min_p > 0 for k in knobs)

@@ -195,3 +195,30 @@ def test_seeded_sampling_independent_of_batch(tiny_llama_dir):
     alone = run({"req-0": prompts["req-0"]})
     together = run({"req-2": prompts["req-2"], "req-1": prompts["req-1"], "req-0": prompts["req-0"]})
     assert alone == together
+
+
+def test_a_requests_knobs_and_history_follow_it_when_its_row_moves(tiny_llama_dir):
+    """A seeded request with penalties, top-k, logit bias and min_tokens draws the same tokens
+    alone and third in a batch whose first two requests finish early, so that condense moves its
+    row to 0. The bias makes EOS (2) near certain, so the tokens show min_tokens banning it exactly
+    until the fourth output."""
+    prompts = _prompts([9, 13, 11])
+    knobs = SamplingParams(temperature=1.0, top_k=20, seed=77, presence_penalty=0.3, frequency_penalty=0.2,
+                           repetition_penalty=1.1, logit_bias={2: 30.0}, min_tokens=4)
+
+    def run(batch: dict[str, list[int]]) -> list[int]:
+        scheduler = MiniScheduler(block_size=4, token_budget=64)
+        for req_id, prompt in batch.items():
+            params = knobs if req_id == "req-2" else SamplingParams(temperature=0.8, top_p=0.9, seed=1)
+            scheduler.add(req_id, prompt, max_tokens=8 if req_id == "req-2" else 2, params=params)
+        runner = make_runner(tiny_llama_dir)
+        so = scheduler.schedule()
+        scheduler.update(so, runner.execute_model(so))
+        assert runner.input_batch.req_id_to_index["req-2"] == len(batch) - 1
+        scheduler.run(runner)
+        assert runner.input_batch.req_id_to_index == {"req-2": 0}
+        return scheduler.outputs("req-2")
+
+    alone = run({"req-2": prompts["req-2"]})
+    assert run(prompts) == alone
+    assert 2 not in alone[:4] and alone[4] == 2

@@ -2,12 +2,15 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from services.common.messages import SamplingParams
+from services.worker import logits_processors
+from services.worker.logits_processors import apply_logits_processors
 from services.worker.sampler import TorchSampler, apply_top_k_top_p
-from services.worker.sampling_metadata import build_sampling_metadata
+from sampling_batch import metadata_for
 
 VOCAB = 64
 
@@ -16,7 +19,7 @@ def _sample(logits: torch.Tensor, params: list[SamplingParams], outputs=None, pr
     generators = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in params]
     outputs = outputs or [[] for _ in params]
     prompts = prompts or [[] for _ in params]
-    metadata = build_sampling_metadata(params, generators, prompts, outputs, eos, VOCAB, torch.device("cpu"))
+    metadata = metadata_for(params, generators, prompts, outputs, eos, VOCAB)
     return TorchSampler()(logits.clone(), metadata)
 
 
@@ -56,7 +59,7 @@ def test_seeded_draws_follow_the_distribution():
     logits = torch.tensor([[0.0, math.log(3.0)] + [-1e9] * (VOCAB - 2)])
     generator = torch.Generator().manual_seed(0)
     params = [SamplingParams(temperature=1.0, seed=0)]
-    metadata = build_sampling_metadata(params, [generator], [[]], [[]], (), VOCAB, torch.device("cpu"))
+    metadata = metadata_for(params, [generator], [[]], [[]], (), VOCAB)
     counts = [0, 0]
     for _ in range(2000):
         counts[TorchSampler()(logits.clone(), metadata).sampled_token_ids[0]] += 1
@@ -114,3 +117,52 @@ def test_penalties_push_greedy_away_from_seen_tokens():
     # repetition counts the prompt too: 2.0 / 1.2 and 1.9 / 1.2 fall below 1.8
     repetition = SamplingParams(temperature=0.0, repetition_penalty=1.2)
     assert _sample(logits, [repetition], prompts=[[0]], outputs=[[1]]).sampled_token_ids == [2]
+
+
+def dense_penalties(logits: torch.Tensor, params: list[SamplingParams], prompts, outputs) -> torch.Tensor:
+    """The penalties as dense [N, vocab] arithmetic, request by request from the lists."""
+    counts = torch.zeros_like(logits)
+    seen = torch.zeros_like(logits, dtype=torch.bool)
+    for row, (prompt, output) in enumerate(zip(prompts, outputs)):
+        for token in output:
+            counts[row, token] += 1
+        seen[row, prompt] = True
+    seen |= counts > 0
+
+    def factor(name):
+        return torch.tensor([[getattr(p, name)] for p in params], dtype=torch.float32)
+
+    repetition = torch.where(seen, factor("repetition_penalty").expand_as(logits), torch.ones_like(logits))
+    logits = torch.where(logits > 0, logits / repetition, logits * repetition)
+    return logits - factor("frequency_penalty") * counts - factor("presence_penalty") * (counts > 0).float()
+
+
+PENALISED = [SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.3),
+             SamplingParams(temperature=1.0),  # no penalty: left alone
+             SamplingParams(temperature=0.7, repetition_penalty=0.8, seed=3),
+             SamplingParams(temperature=0.0, frequency_penalty=-0.4, presence_penalty=-1.0)]
+PENALISED_PROMPTS = [[1, 2, 3, 3], [4, 5], [7, 7, 60], [9]]
+PENALISED_OUTPUTS = [[3, 3, 5, 11, 11, 11], [4, 6], [], [9, 9, 63, 0]]
+
+
+def test_penalties_change_only_seen_tokens_as_the_dense_formula_does():
+    logits = _logits(len(PENALISED), seed=4)
+    metadata = metadata_for(PENALISED, [None] * 4, PENALISED_PROMPTS, PENALISED_OUTPUTS, (), VOCAB)
+    got = apply_logits_processors(logits.clone(), metadata)
+    expected = dense_penalties(logits, PENALISED, PENALISED_PROMPTS, PENALISED_OUTPUTS)
+    assert torch.equal(got.view(torch.int32), expected.view(torch.int32))  # bit for bit
+    assert torch.equal(got[1], logits[1]) and not torch.equal(got[0], logits[0])
+
+
+def test_penalties_that_forget_the_prompt_differ_from_the_dense_formula(monkeypatch):
+    original = logits_processors.merge_entries
+
+    def without_prompt(penalty_tokens):
+        rows, prompt, output = penalty_tokens
+        return original(penalty_tokens=(rows, np.full_like(prompt, -1), output))
+
+    monkeypatch.setattr(logits_processors, "merge_entries", without_prompt)
+    logits = _logits(len(PENALISED), seed=4)
+    metadata = metadata_for(PENALISED, [None] * 4, PENALISED_PROMPTS, PENALISED_OUTPUTS, (), VOCAB)
+    got = apply_logits_processors(logits.clone(), metadata)
+    assert not torch.equal(got, dense_penalties(logits, PENALISED, PENALISED_PROMPTS, PENALISED_OUTPUTS))

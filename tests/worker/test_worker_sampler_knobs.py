@@ -5,14 +5,13 @@ import torch
 
 from services.common.messages import SamplingParams
 from services.worker.sampler import TorchSampler, apply_top_k_top_p
-from services.worker.sampling_metadata import build_sampling_metadata
+from sampling_batch import metadata_for
 
 VOCAB = 64
 
 
 def _metadata(params: list[SamplingParams]):
-    return build_sampling_metadata(params, [None] * len(params), [[1]] * len(params), [[]] * len(params), (2,),
-                                   VOCAB, torch.device("cpu"))
+    return metadata_for(params, [None] * len(params), [[1]] * len(params), [[]] * len(params), (2,), VOCAB)
 
 
 def test_an_all_greedy_batch_builds_no_tensors():

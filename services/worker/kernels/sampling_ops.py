@@ -36,39 +36,42 @@ class SparseLogitEntries:
 
 
 def merge_entries(
-    num_rows: int,
-    logit_bias: list[dict[int, float]] | None = None,
-    banned: list[list[int]] | None = None,
-    prompt_token_ids: list[list[int]] | None = None,
-    output_token_ids: list[list[int]] | None = None,
+    logit_bias: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+    banned: tuple[np.ndarray, np.ndarray] | None = None,
+    penalty_tokens: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
 ) -> SparseLogitEntries:
-    """Merges per-row bias maps, banned tokens and (when penalties apply) the tokens seen in the
-    prompt and output into unique (row, token) entries."""
-    entries: dict[tuple[int, int], list] = {}  # (row, token) -> [output count, bias, flags]
+    """Merges logit biases (rows, tokens, biases), banned tokens (rows, tokens) and, when penalties
+    apply, the penalised rows' tokens (rows [P], prompt [P, L], output [P, L], -1 where a row has
+    no token) into unique (row, token) entries, ordered by row then token."""
+    parts = []  # (rows, tokens, output counts, biases, flags), one per source
 
-    def entry(row: int, token: int) -> list:
-        return entries.setdefault((row, int(token)), [0, 0.0, 0])
+    def add(rows, tokens, count, bias, flag):
+        n = len(rows)
+        parts.append((rows, tokens, np.full(n, count), np.broadcast_to(bias, n), np.full(n, flag)))
 
-    for row in range(num_rows):
-        for token, bias in (logit_bias[row] if logit_bias else {}).items():
-            entry(row, token)[1] += float(bias)
-        for token in banned[row] if banned else ():
-            entry(row, token)[2] |= BANNED
-        if prompt_token_ids is not None:
-            for token in prompt_token_ids[row]:
-                entry(row, token)[2] |= SEEN
-            for token in output_token_ids[row]:
-                e = entry(row, token)
-                e[0] += 1
-                e[2] |= SEEN
-    keys = list(entries)
-    values = list(entries.values())
+    if logit_bias is not None:
+        add(*logit_bias[:2], 0, logit_bias[2], 0)
+    if banned is not None:
+        add(*banned, 0, 0.0, BANNED)
+    if penalty_tokens is not None:
+        rows, prompt, output = penalty_tokens
+        for token_ids, count in ((prompt, 0), (output, 1)):
+            has_token = token_ids >= 0
+            add(np.broadcast_to(rows[:, None], token_ids.shape)[has_token], token_ids[has_token], count, 0.0, SEEN)
+    rows, tokens, counts, biases, flags = (np.concatenate(column) for column in zip(*parts)) if parts else \
+        (np.zeros(0, dtype=np.int64),) * 5
+    keys, entry = np.unique((rows.astype(np.int64) << 32) | tokens.astype(np.int64), return_inverse=True)
+    num_entries = len(keys)
+
+    def total(weights):
+        return np.bincount(entry, weights=weights, minlength=num_entries)
+
     return SparseLogitEntries(
-        rows=np.array([r for r, _ in keys], dtype=np.int32),
-        tokens=np.array([t for _, t in keys], dtype=np.int32),
-        output_counts=np.array([v[0] for v in values], dtype=np.int32),
-        biases=np.array([v[1] for v in values], dtype=np.float32),
-        flags=np.array([v[2] for v in values], dtype=np.int32),
+        rows=(keys >> 32).astype(np.int32),
+        tokens=(keys & 0xFFFFFFFF).astype(np.int32),
+        output_counts=total(counts).astype(np.int32),
+        biases=total(biases).astype(np.float32),  # one bias per (row, token): the sum is exact
+        flags=(SEEN * (total(flags & SEEN) > 0) | BANNED * (total(flags & BANNED) > 0)).astype(np.int32),
     )
 
 
