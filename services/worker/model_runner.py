@@ -114,14 +114,14 @@ class ModelRunner:
             step_id=scheduler_output.step_id,
         )
 
-    def _update_states(self, so: SchedulerOutput) -> None:
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         batch = self.input_batch
-        for req_id in so.finished_req_ids:
+        for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
             batch.remove_request(req_id)
-        for req_id in so.preempted_req_ids:
+        for req_id in scheduler_output.preempted_req_ids:
             batch.remove_request(req_id)  # state kept: it comes back as a resumed cached request
-        for new in so.scheduled_new_reqs:
+        for new in scheduler_output.scheduled_new_reqs:
             seed = new.sampling_params.seed
             state = CachedRequestState(
                 req_id=new.req_id,
@@ -133,7 +133,7 @@ class ModelRunner:
             )
             self.requests[new.req_id] = state
             batch.add_request(state)
-        cached = so.scheduled_cached_reqs
+        cached = scheduler_output.scheduled_cached_reqs
         rows = batch.req_id_to_index
         for i, (req_id, new_block_ids, num_computed, is_resumed) in enumerate(zip(
                 cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, cached.resumed_from_preemption,
@@ -165,9 +165,9 @@ class ModelRunner:
         state.num_computed_tokens = cached.num_computed_tokens[i]
         self.input_batch.add_request(state)  # (re)builds the whole row from the state
 
-    def _prepare_inputs(self, so: SchedulerOutput) -> ModelInputs | None:
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInputs | None:
         batch = self.input_batch
-        scheduled = [(r, n) for r, n in so.num_scheduled_tokens.items() if n > 0]
+        scheduled = [(r, n) for r, n in scheduler_output.num_scheduled_tokens.items() if n > 0]
         if not scheduled:
             return None
         req_ids = [r for r, _ in scheduled]

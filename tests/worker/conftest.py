@@ -1,14 +1,11 @@
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))  # for worker_helpers
-
-from worker_helpers import save_tiny_model  # noqa: E402
+from tests.worker.harness import save_tiny_model
 
 # The test machines have few cores shared with other jobs; more threads only add contention.
 torch.set_num_threads(min(2, torch.get_num_threads()))

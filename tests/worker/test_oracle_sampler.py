@@ -12,7 +12,7 @@ from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsW
 
 from services.common.messages import SamplingParams
 from services.worker import sampler
-from sampling_batch import metadata_for
+from tests.worker.sampling_batch import metadata_for
 from tests.oracles import RowKnobs, check_kept_sets, reference_kept
 
 VOCAB = 4096

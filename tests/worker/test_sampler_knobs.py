@@ -5,7 +5,7 @@ import torch
 
 from services.common.messages import SamplingParams
 from services.worker.sampler import TorchSampler, apply_top_k_top_p
-from sampling_batch import metadata_for
+from tests.worker.sampling_batch import metadata_for
 
 VOCAB = 64
 

@@ -10,7 +10,7 @@ from services.common.messages import SamplingParams
 from services.worker import logits_processors
 from services.worker.logits_processors import apply_logits_processors
 from services.worker.sampler import TorchSampler, apply_top_k_top_p
-from sampling_batch import metadata_for
+from tests.worker.sampling_batch import metadata_for
 
 VOCAB = 64
 

@@ -6,7 +6,7 @@ import torch
 
 from services.common.messages import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from services.worker.platforms import cpu as cpu_platform
-from worker_helpers import VOCAB_SIZE, MiniScheduler, hf_greedy, make_runner
+from tests.worker.harness import VOCAB_SIZE, MiniScheduler, hf_greedy, make_runner
 
 GREEDY = SamplingParams(temperature=0.0)
 

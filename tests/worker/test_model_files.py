@@ -54,7 +54,7 @@ def test_default_model_answers_paris_through_the_worker(default_model):
 
     from services.worker.config import WorkerConfig
     from services.worker.worker import Worker
-    from worker_helpers import MiniScheduler
+    from tests.worker.harness import MiniScheduler
 
     worker = Worker(WorkerConfig(dtype="float32", kv_cache_bytes=64 * 2**20, max_model_len=1024))
     worker.load_model()

@@ -21,7 +21,7 @@ from services.common.messages import CachedRequestData, NewRequestData, Sampling
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.worker.config import WorkerConfig, resolve_dtype
 from services.worker.server import WorkerServer
-from worker_helpers import hf_greedy
+from tests.worker.harness import hf_greedy
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

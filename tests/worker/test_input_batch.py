@@ -12,7 +12,7 @@ from services.worker import sampling_metadata
 from services.worker.input_batch import FLOAT_KNOBS, TEMPERATURE, CachedRequestState, InputBatch, Knob
 from services.worker.sampler import TorchSampler
 from services.worker.sampling_metadata import build_sampling_metadata
-from sampling_batch import batch_of
+from tests.worker.sampling_batch import batch_of
 
 VOCAB = 64
 EOS = (2,)
