@@ -109,9 +109,6 @@ class OutputExtras:
         return self.finish_reason != FinishReason.NONE
 
 
-_NO_EXTRAS = OutputExtras()
-
-
 @dataclass(slots=True)
 class EngineCoreOutput:
     """One request's output of one step, as the frontend's engine client hands it to that request."""
@@ -171,10 +168,6 @@ class EngineCoreOutputs:
         self.new_token_ids.append(new_token_ids)
         if extras is not None:
             self.extras[req_id] = extras
-
-    def extras_of(self, req_id: str) -> OutputExtras:
-        """The request's extras, or empty ones."""
-        return self.extras.get(req_id, _NO_EXTRAS)
 
 
 @dataclass

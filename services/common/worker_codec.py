@@ -265,9 +265,9 @@ class StepDecoder:
 
     def decode(self, msg: w_pb.SchedulerOutput) -> messages.SchedulerOutput:
         last, self._last = self._last, None  # until this step has run, the next may not refer to it
-        s, step = _decode_step(msg, last)
-        self._current = (step, list(s.num_scheduled_tokens))
-        return s
+        step, decoded = _decode_step(msg, last)
+        self._current = (decoded, list(step.num_scheduled_tokens))
+        return step
 
     def encode_output(self, output: messages.ModelRunnerOutput) -> w_pb.ExecuteModelResponse:
         """The answer of the step decoded last, which ran: the next step may refer to it."""

@@ -138,13 +138,11 @@ class KVCacheManager:
         for request in requests:
             if request is not None and request.num_computed_tokens // block_size > \
                     num_cached_blocks.get(request.request_id, 0) and request.request_id in req_to_blocks:
-                self.cache_blocks(request, request.num_computed_tokens)
+                self._cache_full_blocks(request, request.num_computed_tokens)
 
-    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Registers the request's newly full blocks (up to `num_computed_tokens`) in the prefix cache."""
+    def _cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Registers the request's blocks that filled up (to `num_computed_tokens`) since the last call."""
         start = self.num_cached_blocks.get(request.request_id, 0)
-        if num_computed_tokens // self.block_size <= start or not self.enable_caching:
-            return  # no block filled up since the last call (most steps)
         self.update_block_hashes(request)
         blocks = self.req_to_blocks.get(request.request_id, [])
         num_full = min(num_computed_tokens // self.block_size, len(request.block_hashes), len(blocks))

@@ -3,9 +3,9 @@
 Tensors are materialised only for the knobs the step's rows use; when no row of the whole batch
 uses any, the metadata is the greedy fast path's and no array is even indexed. On a device, the
 step's knob values cross in at most two host-to-device copies: the float knobs (all six, gathered
-by one index) and the integer ones. Logit bias, min_tokens bans and the penalties' token history stay host arrays: each sampler
-turns them into what it needs (dense index lists, or the CUDA kernel's sparse entries) and copies
-that once, so nothing goes to the device and back.
+by one index) and the integer ones. Logit bias, min_tokens bans and the penalties' token history
+stay host arrays: each sampler turns them into what it needs (dense index lists, or the CUDA
+kernel's sparse entries) and copies that once, so nothing goes to the device and back.
 """
 from __future__ import annotations
 
