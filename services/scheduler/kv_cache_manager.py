@@ -40,6 +40,9 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # Number of each request's leading blocks already registered in the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
+        # Tokens the blocks each request holds have room for: the scheduler reads it to skip
+        # `allocate_slots` (a call per running request per step) while the held blocks suffice.
+        self.num_slots_held: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
 
     # --- lookups ---------------------------------------------------------------------------------
@@ -124,6 +127,7 @@ class KVCacheManager:
         blocks = self.req_to_blocks.setdefault(request.request_id, held)
         blocks.extend(computed_blocks)
         blocks.extend(new_blocks)
+        self.num_slots_held[request.request_id] = len(blocks) * self.block_size
         if computed_blocks and self.num_cached_blocks.get(request.request_id, 0) == 0:
             self.num_cached_blocks[request.request_id] = len(computed_blocks)
         return [b.block_id for b in computed_blocks] + [b.block_id for b in new_blocks]
@@ -153,5 +157,6 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Returns all the request's blocks; tail blocks first so they are evicted first."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_slots_held.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))

@@ -112,6 +112,7 @@ class Scheduler:
 
         # Running requests first, in order.
         running = self.running
+        num_slots_held = kv.num_slots_held
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
@@ -124,7 +125,9 @@ class Scheduler:
             if num_new <= 0 or (num_placeholders and num_tokens >= request.max_num_tokens):
                 i += 1  # caught up, or the step in flight samples its last token
                 continue
-            while True:
+            # The usual decode step: the held blocks have room, and no call is needed.
+            block_ids = [] if num_computed + num_new <= num_slots_held.get(request.request_id, 0) else None
+            while block_ids is None:
                 block_ids = kv.allocate_slots(request, num_new)
                 if block_ids is not None:
                     break
@@ -222,7 +225,8 @@ class Scheduler:
                 request.num_output_placeholders -= 1
                 all_token_ids = request.all_token_ids
                 all_token_ids.append(token_ids[0])
-                if may_stop(request, token_ids[0]):  # the full check runs only then
+                # `may_stop`, inlined as it runs for every token; the full check runs only then.
+                if token_ids[0] in request.stop_check_token_ids or len(all_token_ids) >= request.max_num_tokens:
                     self._finish_if_stopped(request)
                 elif lp is None and not request.events:
                     req_ids.append(req_id)
