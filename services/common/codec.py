@@ -183,6 +183,8 @@ def engine_core_outputs_from_pb(msg: ec_pb.EngineCoreOutputs, last_plain_req_ids
     plain_req_ids = ids_or_referred(msg.request_ids, msg.request_ids_as_last, last_plain_req_ids,
                                     "the last message's requests")
     plain_token_ids = split_one_each_or_counts(list(msg.new_token_ids), list(msg.num_new_token_ids))
+    if len(plain_token_ids) != len(plain_req_ids):
+        raise ValueError(f"a message has {len(plain_req_ids)} plain request ids but {len(plain_token_ids)} token lists")
     outputs = messages.EngineCoreOutputs(
         scheduler_stats=scheduler_stats_from_pb(msg.scheduler_stats) if msg.HasField("scheduler_stats") else None,
         timestamp=msg.timestamp,
@@ -244,9 +246,12 @@ def split_one_each_or_counts(flat: list[int], counts: list[int]) -> list[list[in
 
 
 def split_column(flat: list[int], counts: list[int]) -> list[list[int]]:
-    """Cuts a concatenated column back into one list per entry (`counts[i]` items each)."""
+    """Cuts a concatenated column back into one list per entry (`counts[i]` items each); ValueError
+    if the counts do not cut it exactly."""
     if len(flat) == len(counts) and counts.count(1) == len(counts):
         return [[x] for x in flat]  # the decode step: one token each
+    if sum(counts) != len(flat) or (counts and min(counts) < 0):
+        raise ValueError(f"a column of {len(flat)} items does not split into {len(counts)} counts")
     return [flat[end - n:end] for n, end in zip(counts, accumulate(counts))]
 
 

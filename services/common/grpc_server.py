@@ -1,8 +1,9 @@
 """The one gRPC server skeleton every service uses.
 
 grpc.aio, `grpc.health.v1` (NOT_SERVING until the service says it is ready, and again while it
-drains), server reflection, large message limits (a step's SchedulerOutput can be big), and stop
-with a grace period.
+drains), server reflection, message limits (large by default: a step's SchedulerOutput can be big),
+service-to-service authentication when configured (mutual TLS and/or a token, health exempt:
+services/common/service_auth.py), and stop with a grace period.
 """
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ from typing import Any, Callable, Sequence
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from services.common.auth_interceptor import ServiceAuthInterceptor
+from services.common.service_auth import NO_SERVICE_AUTH, ServiceAuthConfig, server_credentials
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
@@ -28,22 +32,33 @@ CHANNEL_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
 ]
 
-SERVER_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.so_reuseport", 0),
-]
+
+def server_options(max_receive_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", max_receive_message_bytes),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.so_reuseport", 0),
+    ]
 
 
 class GrpcServer:
-    """A grpc.aio server with health checking and reflection for the given service names."""
+    """A grpc.aio server with health checking and reflection for the given service names.
 
-    def __init__(self, address: str, service_names: list[str], interceptors: Sequence[Any] = ()):
+    `auth`: who may call (services/common/service_auth.py); with TLS configured the port is TLS
+    with a required client certificate, and every call but health is checked. `interceptors`: the
+    tracing interceptor when tracing is on (services/common/telemetry.py); they run after the auth
+    check. `max_receive_message_bytes`: the largest request message accepted.
+    """
+
+    def __init__(self, address: str, service_names: list[str], interceptors: Sequence[Any] = (),
+                 auth: ServiceAuthConfig = NO_SERVICE_AUTH, max_receive_message_bytes: int = MAX_MESSAGE_BYTES):
         self.address = address
-        # `interceptors`: the tracing interceptor when tracing is on (services/common/telemetry.py).
-        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
+        self.auth = auth
+        guards = [ServiceAuthInterceptor(auth)] if auth.is_server_auth_enforced else []
+        self.server = grpc.aio.server(options=server_options(max_receive_message_bytes),
+                                      interceptors=[*guards, *interceptors])
         self._service_names = list(service_names)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
@@ -54,7 +69,10 @@ class GrpcServer:
         self.port = 0
 
     async def start(self) -> None:
-        self.port = self.server.add_insecure_port(self.address)
+        if self.auth.is_tls:
+            self.port = self.server.add_secure_port(self.address, server_credentials(self.auth))
+        else:
+            self.port = self.server.add_insecure_port(self.address)
         if self.port == 0:
             raise RuntimeError(f"cannot bind gRPC server to {self.address}")
         await self.set_serving(False)

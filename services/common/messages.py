@@ -222,7 +222,9 @@ class ModelRunnerOutput:
     """What the worker computed for one step.
 
     `sampled_token_ids[i]` belongs to `req_ids[i]`; it is empty for a partial prefill chunk.
-    `logprobs[i]` is None unless the request asked for logprobs.
+    `logprobs[i]` is None unless the request asked for logprobs. `failed_reqs` maps the requests the
+    worker refused to run this step (bad inputs it could tie to them) to the reason; they are not in
+    `req_ids`, and the step's other requests ran.
     """
 
     req_ids: list[str] = field(default_factory=list)
@@ -232,6 +234,7 @@ class ModelRunnerOutput:
     forward_ns: int = 0
     sample_ns: int = 0
     step_id: int = 0
+    failed_reqs: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

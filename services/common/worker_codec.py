@@ -137,6 +137,9 @@ def _decode_step(msg: w_pb.SchedulerOutput, last: _LastStep | None) -> tuple[mes
         new_block_ids = split_column(list(cached.new_block_ids), list(cached.num_new_block_ids))
     else:
         new_block_ids = [[] for _ in range(num_reqs)]
+    if not len(num_computed) == len(is_resumed) == len(new_block_ids) == num_reqs \
+            or len(cached.num_resumed_token_ids) != (is_resumed.count(True) if cached.resumed_from_preemption else 0):
+        raise ValueError(f"a step's columns do not match its {num_reqs} cached requests")
     resumed_token_ids: list[list[int]] = []  # none resumed: no per-request lists at all
     if cached.num_resumed_token_ids:
         resumed_token_ids = [[] for _ in range(num_reqs)]
@@ -145,6 +148,8 @@ def _decode_step(msg: w_pb.SchedulerOutput, last: _LastStep | None) -> tuple[mes
             resumed_token_ids[i] = next(tokens)
     order = [r.req_id for r in new_reqs] + req_ids
     num_scheduled = list(msg.num_scheduled_tokens) or [1] * len(order)
+    if msg.num_scheduled_tokens and (len(num_scheduled) != len(order) or min(num_scheduled) < 0):
+        raise ValueError(f"a step has {len(msg.num_scheduled_tokens)} counts for its {len(order)} requests")
     step = messages.SchedulerOutput(
         scheduled_new_reqs=new_reqs,
         scheduled_cached_reqs=messages.CachedRequestData(
@@ -192,6 +197,9 @@ def model_runner_output_to_pb(output: messages.ModelRunnerOutput, scheduled: lis
         sample_ns=output.sample_ns,
         step_id=output.step_id,
     )
+    if output.failed_reqs:
+        msg.failed_req_ids.extend(output.failed_reqs)
+        msg.failure_messages.extend(output.failed_reqs.values())
     logprobs = output.logprobs
     if logprobs.count(None) != len(logprobs):
         indices = [i for i, lp in enumerate(logprobs) if lp is not None]
@@ -205,8 +213,12 @@ def model_runner_output_from_pb(msg: w_pb.ModelRunnerOutput, scheduled: list[str
     """`scheduled`: the step's scheduled request ids in batch order, as the worker decoded them."""
     req_ids = ids_or_referred(msg.req_ids, msg.req_ids_as_scheduled, scheduled, "its step's requests")
     sampled = split_one_each_or_counts(list(msg.sampled_token_ids), list(msg.num_sampled_token_ids))
+    indices = list(msg.logprobs_req_indices)
+    if len(sampled) != len(req_ids) or len(indices) != len(msg.logprobs) \
+            or (indices and not 0 <= min(indices) <= max(indices) < len(req_ids)):
+        raise ValueError(f"an output's columns do not match its {len(req_ids)} requests")
     logprobs: list[messages.TokenLogprobs | None] = [None] * len(req_ids)
-    for i, lp in zip(msg.logprobs_req_indices, msg.logprobs):
+    for i, lp in zip(indices, msg.logprobs):
         logprobs[i] = token_logprobs_from_pb(lp)
     return messages.ModelRunnerOutput(
         req_ids=req_ids,
@@ -216,6 +228,7 @@ def model_runner_output_from_pb(msg: w_pb.ModelRunnerOutput, scheduled: list[str
         forward_ns=msg.forward_ns,
         sample_ns=msg.sample_ns,
         step_id=msg.step_id,
+        failed_reqs=dict(zip(msg.failed_req_ids, msg.failure_messages, strict=True)) if msg.failed_req_ids else {},
     )
 
 

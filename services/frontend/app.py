@@ -1,5 +1,5 @@
 """The aiohttp application: OpenAI routes, /tokenize, /detokenize, /health, /version, /stats, and JSON
-errors for everything else."""
+errors for everything else; API keys and the body limit guard every route before its handler runs."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,16 +9,16 @@ from typing import Any
 
 from aiohttp import web
 
+from services.frontend.api_keys import ApiKeys, api_key_middleware
 from services.frontend.engine_protocol import EngineClientProtocol
 from services.frontend.errors import error_middleware, model_not_found, service_unavailable
 from services.frontend.observability import FrontendObserver
+from services.frontend.public_edge import EdgeConfig
+from services.frontend.request_limits import body_limit_middleware
 from services.frontend.serving_chat import OpenAIServingChat
 from services.frontend.serving_completion import OpenAIServingCompletion
 from services.frontend.serving_engine import OpenAIServing, ServerState, ServingModel
 from services.frontend.serving_tokenization import OpenAIServingTokenization
-
-# Long prompts arrive as JSON; aiohttp's default limit of 1 MiB is too small for a long context.
-MAX_REQUEST_BYTES = 32 * 1024 * 1024
 
 SERVING_KEY = web.AppKey("serving", OpenAIServing)
 CHAT_KEY = web.AppKey("serving_chat", OpenAIServingChat)
@@ -35,11 +35,16 @@ def spindle_version() -> str:
 
 
 def create_app(engine_client: EngineClientProtocol, model: ServingModel, state: ServerState | None = None,
-               observer: FrontendObserver | None = None) -> web.Application:
+               observer: FrontendObserver | None = None, edge: EdgeConfig = EdgeConfig()) -> web.Application:
     """Builds the HTTP app around an engine client (real or fake) and the served model; `observer`
-    records metrics and spans of each request (none: nothing is recorded)."""
+    records metrics and spans of each request (none: nothing is recorded); `edge` holds the API keys
+    and the body limit."""
     state = state or ServerState()
-    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_REQUEST_BYTES)
+    # Keys first: an anonymous client learns nothing, not even the limits.
+    guards = [api_key_middleware(ApiKeys(edge.api_keys), edge.protect_metrics)] if edge.api_keys else []
+    guards.append(body_limit_middleware(edge.max_request_body_bytes))
+    # client_max_size: request.read() stops at the same limit for bodies without Content-Length.
+    app = web.Application(middlewares=[error_middleware, *guards], client_max_size=edge.max_request_body_bytes)
     app[SERVING_KEY] = OpenAIServing(engine_client, model, state, observer)
     app[CHAT_KEY] = OpenAIServingChat(engine_client, model, state, observer)
     app[COMPLETION_KEY] = OpenAIServingCompletion(engine_client, model, state, observer)

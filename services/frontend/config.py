@@ -5,7 +5,14 @@ import argparse
 from dataclasses import dataclass
 
 from services.common.flags import add_common_flags, add_flag
+from services.common.service_auth import (
+    NO_SERVICE_AUTH,
+    ServiceAuthConfig,
+    add_service_auth_flags,
+    service_auth_config_from_args,
+)
 from services.common.telemetry import TelemetryConfig, add_telemetry_flags, telemetry_config_from_args
+from services.frontend.public_edge import EdgeConfig, add_edge_flags, edge_config_from_args
 
 
 @dataclass(frozen=True)
@@ -25,6 +32,10 @@ class FrontendConfig:
     log_level: str = "INFO"
     # The OTLP traces endpoint; metrics are served on the HTTP port (/metrics), so no metrics port.
     telemetry: TelemetryConfig = TelemetryConfig()
+    # The public ports' guards: API keys, /metrics behind them or not, request size limits.
+    edge: EdgeConfig = EdgeConfig()
+    # The credentials this frontend presents to the scheduler (not its public API's).
+    scheduler_auth: ServiceAuthConfig = NO_SERVICE_AUTH
 
     def __post_init__(self) -> None:
         if not 0 <= self.http_port <= 65535:
@@ -51,6 +62,8 @@ class FrontendConfig:
             shutdown_timeout_s=ns.shutdown_timeout,
             log_level=ns.log_level,
             telemetry=telemetry_config_from_args(ns),
+            edge=edge_config_from_args(ns),
+            scheduler_auth=service_auth_config_from_args(ns),
         )
 
     @classmethod
@@ -72,3 +85,5 @@ def add_frontend_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--cache-dir", default=None, help="cache folder for converted models")
     add_flag(parser, "--max-model-len", type=int, default=None, help="lower the engine's context length")
     add_telemetry_flags(parser)
+    add_edge_flags(parser)
+    add_service_auth_flags(parser, sends_token_to="scheduler")

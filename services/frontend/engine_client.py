@@ -30,6 +30,7 @@ from services.common.messages import (
     SchedulerStats,
 )
 from services.common.pb import engine_core_pb2, engine_core_pb2_grpc
+from services.common.service_auth import NO_SERVICE_AUTH, ServiceAuthConfig, open_channel
 from services.frontend.engine_protocol import StepObserver
 from services.frontend.errors import EngineError
 
@@ -43,16 +44,17 @@ SCHEDULER_CHANNEL_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.max_reconnect_backoff_ms",
 
 
 class EngineClient:
-    def __init__(self, scheduler_addr: str, interceptors: Sequence[Any] = ()):
+    def __init__(self, scheduler_addr: str, interceptors: Sequence[Any] = (),
+                 auth: ServiceAuthConfig = NO_SERVICE_AUTH):
         self.scheduler_addr = scheduler_addr
         self.info: EngineInfo | None = None
         self.last_stats = SchedulerStats()
         # Observability hook: sees every step's outputs (services/frontend/observability.py); set by the server.
         self.observer: StepObserver | None = None
         self._is_worker_alive = False
-        # `interceptors`: the tracing interceptors when tracing is on (services/common/telemetry.py).
-        self._channel = grpc.aio.insecure_channel(scheduler_addr, options=SCHEDULER_CHANNEL_OPTIONS,
-                                                  interceptors=list(interceptors) or None)
+        # `interceptors`: the tracing interceptors when tracing is on (services/common/telemetry.py);
+        # `auth`: this frontend's certificate and/or the scheduler's token (services/common/service_auth.py).
+        self._channel = open_channel(scheduler_addr, auth, SCHEDULER_CHANNEL_OPTIONS, interceptors)
         self._stub = engine_core_pb2_grpc.EngineCoreServiceStub(self._channel)
         self._call = None
         self._queues: dict[str, asyncio.Queue[EngineCoreOutput]] = {}
@@ -156,7 +158,8 @@ class EngineClient:
                 raise
             except (grpc.aio.AioRpcError, EngineError) as exc:
                 self._connected.clear()
-                self._fail_all(f"lost the scheduler: {getattr(exc, 'details', lambda: exc)()}")
+                why = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+                self._fail_all(f"lost the scheduler: {why}")
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(backoff_s * 2, MAX_RECONNECT_BACKOFF_S)
 

@@ -7,6 +7,10 @@ input), NOT_FOUND (unknown model, unknown request id for Abort), RESOURCE_EXHAUS
 full), UNAVAILABLE (engine not ready, draining, engine down), CANCELLED (ended by Abort), INTERNAL.
 A client that cancels the call aborts its requests in the engine, as Abort does.
 
+Request ids belong to their caller (services/frontend/api_keys.py `caller_identity`: the API key's
+identity when keys are on, the connection otherwise): Abort finds only the caller's own running
+requests, anyone else's id is NOT_FOUND as an unknown one is, and two callers may use the same id.
+
 `grpc_codec` converts requests and responses to and from the frontend's dataclasses; the public
 messages share no types with the internal protos, and nothing here touches those.
 """
@@ -23,10 +27,10 @@ from typing import Any, AsyncIterator
 import grpc
 
 from services.common.pb import generate_pb2, generate_pb2_grpc
+from services.frontend.api_keys import ApiKeys, caller_identity
 from services.frontend.errors import APIError, EngineError, from_engine_error, invalid_request
 from services.frontend.grpc_codec import generate_request_from_pb, generate_response_to_pb, model_info_to_pb
 from services.frontend.serving_engine import OpenAIServing
-from services.frontend.tokenizer import encode_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -63,16 +67,17 @@ def _as_status(unary):
 
 
 class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
-    def __init__(self, serving: OpenAIServing):
+    def __init__(self, serving: OpenAIServing, api_keys: ApiKeys | None = None):
         self.serving = serving
-        # request_id -> set when Abort names it
-        self._running: dict[str, asyncio.Event] = {}
+        self.api_keys = api_keys if api_keys is not None else ApiKeys()
+        # (caller identity, request_id) -> set when Abort names it
+        self._running: dict[tuple[str, str], asyncio.Event] = {}
 
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         try:
-            async for response in self._generate(request):
+            async for response in self._generate(request, caller_identity(self.api_keys, context)):
                 yield response
         except APIError as err:
             await context.abort(status_code(err), _describe(err))
@@ -88,9 +93,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         serving.check_model(request.model or None)
         serving.check_ready()  # max_model_len comes from the engine
         add_special_tokens = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        token_ids = list(serving.model.tokenizer.encode(request.text, add_special_tokens=add_special_tokens))
+        token_ids = await serving.async_tokenizer.encode(request.text, add_special_tokens=add_special_tokens)
         return generate_pb2.TokenizeResponse(
-            token_ids=token_ids, tokens=serving.model.tokenizer.convert_ids_to_tokens(token_ids),
+            token_ids=token_ids, tokens=await serving.async_tokenizer.convert_ids_to_tokens(token_ids),
             max_model_len=serving.max_model_len)
 
     @_as_status
@@ -103,29 +108,31 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     @_as_status
     async def Abort(self, request: generate_pb2.AbortRequest, context: Any) -> generate_pb2.AbortResponse:
-        event = self._running.get(request.request_id)
-        if event is None:
+        event = self._running.get((caller_identity(self.api_keys, context), request.request_id))
+        if event is None:  # unknown, finished, or another caller's: all look the same
             raise APIError(404, f"No running request with id {request.request_id!r}.", "invalid_request_error",
                            param="request_id")
         event.set()
         return generate_pb2.AbortResponse()
 
-    async def _generate(self, request: generate_pb2.GenerateRequest) -> AsyncIterator[generate_pb2.GenerateResponse]:
+    async def _generate(self, request: generate_pb2.GenerateRequest, caller: str
+                        ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         serving = self.serving
         generate = generate_request_from_pb(request)  # validated first, as the HTTP API does
         options = generate.options
         serving.check_model(options.model)
         serving.check_ready()
         if isinstance(generate.prompt, str):
-            prompt_token_ids = encode_prompt(serving.model.tokenizer, generate.prompt)
+            prompt_token_ids = await serving.async_tokenizer.encode_prompt(generate.prompt)
         else:
             prompt_token_ids = generate.prompt
         response_id = request.request_id or f"gen-{uuid.uuid4().hex}"
-        if response_id in self._running:
+        key = (caller, response_id)
+        if key in self._running:
             raise invalid_request(f"A request with id {response_id!r} is already running.", param="request_id")
         # The engine's ids are always ours: ids chosen by clients could collide between clients.
         choices = serving.make_choices(f"gen-{uuid.uuid4().hex}", prompt_token_ids, options, "input")
-        aborted = self._running[response_id] = asyncio.Event()
+        aborted = self._running[key] = asyncio.Event()
         try:
             with serving.state.track():
                 async with aclosing(serving.generate_choices(choices)) as deltas, \
@@ -134,7 +141,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                         yield generate_response_to_pb(response_id, index, delta, len(prompt_token_ids),
                                                       choices[index].num_output_tokens)
         finally:
-            self._running.pop(response_id, None)
+            self._running.pop(key, None)
 
 
 async def _until_set(stream: AsyncIterator[Any], event: asyncio.Event) -> AsyncIterator[Any]:

@@ -9,7 +9,6 @@ the top level.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -62,16 +61,6 @@ class ChatCompletionRequest:
 class CompletionRequest:
     prompt: str | list[int]
     options: GenerationOptions
-
-
-def parse_json_body(raw: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise invalid_request(f"We could not parse the JSON body of your request: {exc}") from None
-    if not isinstance(body, dict):
-        raise invalid_request("The request body must be a JSON object.")
-    return body
 
 
 def parse_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 
 from aiohttp import web
 
@@ -17,6 +18,7 @@ from services.common.grpc_server import GrpcServer, install_stop_signals
 from services.common.logging_setup import setup_logging
 from services.common.pb import generate_pb2_grpc
 from services.common.telemetry import client_interceptors, server_interceptors, setup_tracing
+from services.frontend.api_keys import ApiKeyInterceptor, ApiKeys
 from services.frontend.app import create_app
 from services.frontend.config import FrontendConfig
 from services.frontend.engine_protocol import EngineClientProtocol
@@ -54,13 +56,14 @@ class FrontendServer:
         if self.engine_client is None:
             from services.frontend.engine_client import EngineClient  # the integrator's module
 
-            self.engine_client = EngineClient(self.config.scheduler_addr, client_interceptors(self.tracing))
+            self.engine_client = EngineClient(self.config.scheduler_addr, client_interceptors(self.tracing),
+                                              auth=self.config.scheduler_auth)
             await self.engine_client.start()
 
         # Observability hook: /metrics, spans and request metrics (services/frontend/observability.py).
         self.observer = FrontendObserver(self.engine_client, self.model.name, self.tracing)
         self.engine_client.observer = self.observer
-        app = create_app(self.engine_client, self.model, self.state, self.observer)
+        app = create_app(self.engine_client, self.model, self.state, self.observer, self.config.edge)
         install(app, self.observer)
         # Handlers are cancelled when their client disconnects: that is what aborts its request.
         self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0)
@@ -68,8 +71,13 @@ class FrontendServer:
         await web.TCPSite(self._runner, self.config.http_host, self.config.http_port).start()
         self.http_port = self._runner.addresses[0][1]
 
-        self._grpc = GrpcServer(self.config.grpc_addr, [SERVICE_NAME], server_interceptors(self.tracing))
-        servicer = GenerateServicer(OpenAIServing(self.engine_client, self.model, self.state, self.observer))
+        # The public API: API keys (when set) are checked before anything else runs.
+        api_keys = ApiKeys(self.config.edge.api_keys)
+        self._grpc = GrpcServer(self.config.grpc_addr, [SERVICE_NAME],
+                                [ApiKeyInterceptor(api_keys), *server_interceptors(self.tracing)],
+                                max_receive_message_bytes=self.config.edge.max_grpc_message_bytes)
+        servicer = GenerateServicer(OpenAIServing(self.engine_client, self.model, self.state, self.observer),
+                                    api_keys)
         generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, self._grpc.server)
         await self._grpc.start()
         self.grpc_port = self._grpc.port
@@ -108,6 +116,8 @@ class FrontendServer:
             await self._grpc.stop(grace_s=1.0)
         if self.engine_client is not None and hasattr(self.engine_client, "close"):
             await self.engine_client.close()
+        if self.model is not None:
+            self.model.async_tokenizer.close()  # drops queued tokenizer work of requests already gone
         if self.tracing is not None:
             self.tracing.shutdown()  # exports the spans still queued
         logger.info("frontend stopped")
@@ -150,6 +160,10 @@ async def serve(config: FrontendConfig, server: FrontendServer | None = None) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = FrontendConfig.from_args(argv)
+    try:
+        config = FrontendConfig.from_args(argv)
+    except ValueError as exc:  # a bad flag value: one line, not a traceback
+        print(f"frontend: {exc}", file=sys.stderr)
+        return 2
     setup_logging("frontend", config.log_level)
     return asyncio.run(serve(config))

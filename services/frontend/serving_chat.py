@@ -13,10 +13,10 @@ from typing import Any, AsyncIterator
 from aiohttp import web
 
 from services.frontend.logprobs import chat_logprobs_content
-from services.frontend.protocol import ChatCompletionRequest, parse_chat_request, parse_json_body
+from services.frontend.json_body import parse_json_body
+from services.frontend.protocol import ChatCompletionRequest, parse_chat_request
 from services.frontend.serving_engine import Choice, OpenAIServing, TextDelta, add_token_ids, choices_usage
 from services.frontend.sse import write_sse
-from services.frontend.tokenizer import render_chat_prompt
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -24,7 +24,7 @@ class OpenAIServingChat(OpenAIServing):
         request = parse_chat_request(parse_json_body(await http_request.read()))
         self.check_model(request.options.model)
         self.check_ready()
-        prompt_token_ids = render_chat_prompt(self.model.tokenizer, request.messages)
+        prompt_token_ids = await self.async_tokenizer.render_chat_prompt(request.messages)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         choices = self.make_choices(request_id, prompt_token_ids, request.options, "messages")
         with self.state.track():

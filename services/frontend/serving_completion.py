@@ -13,10 +13,10 @@ from typing import Any, AsyncIterator
 from aiohttp import web
 
 from services.frontend.logprobs import CompletionLogprobs, merge_completion_logprobs
-from services.frontend.protocol import CompletionRequest, parse_completion_request, parse_json_body
+from services.frontend.json_body import parse_json_body
+from services.frontend.protocol import CompletionRequest, parse_completion_request
 from services.frontend.serving_engine import Choice, OpenAIServing, add_token_ids, choices_usage
 from services.frontend.sse import write_sse
-from services.frontend.tokenizer import encode_prompt
 
 # OpenAI's default for /v1/completions (chat defaults to whatever fits in the context).
 DEFAULT_MAX_TOKENS = 16
@@ -28,7 +28,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_model(request.options.model)
         self.check_ready()
         if isinstance(request.prompt, str):
-            prompt_token_ids = encode_prompt(self.model.tokenizer, request.prompt)
+            prompt_token_ids = await self.async_tokenizer.encode_prompt(request.prompt)
         else:
             prompt_token_ids = request.prompt
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -42,12 +42,13 @@ class OpenAIServingCompletion(OpenAIServing):
                 add_token_ids(response, choices)
             return web.json_response(response)
 
-    def _echo_text(self, request: CompletionRequest) -> str:
+    async def _echo_text(self, request: CompletionRequest) -> str:
         if not request.options.echo:
             return ""
         if isinstance(request.prompt, str):
             return request.prompt
-        return self.model.tokenizer.decode(request.prompt, skip_special_tokens=request.options.skip_special_tokens)
+        return await self.async_tokenizer.decode(request.prompt,
+                                                 skip_special_tokens=request.options.skip_special_tokens)
 
     def _logprobs(self, request: CompletionRequest, n: int) -> list[CompletionLogprobs] | None:
         if request.options.sampling_params.logprobs is None:
@@ -64,7 +65,7 @@ class OpenAIServingCompletion(OpenAIServing):
         }
 
     async def _full_response(self, request: CompletionRequest, request_id: str, choices: list[Choice]) -> dict:
-        echo = self._echo_text(request)
+        echo = await self._echo_text(request)
         texts: list[list[str]] = [[echo] for _ in choices]
         logprobs = self._logprobs(request, len(choices))
         parts: list[list[dict]] = [[] for _ in choices]
@@ -85,7 +86,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _stream_chunks(
         self, request: CompletionRequest, request_id: str, choices: list[Choice]
     ) -> AsyncIterator[dict[str, Any]]:
-        echo = self._echo_text(request)
+        echo = await self._echo_text(request)
         has_started = [False] * len(choices)
         logprobs = self._logprobs(request, len(choices))
         async with aclosing(self.generate_choices(choices)) as deltas:

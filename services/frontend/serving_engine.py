@@ -24,6 +24,7 @@ from services.frontend.fanout import merge_streams
 from services.frontend.logprobs import TokenStrings
 from services.frontend.observability import FrontendObserver
 from services.frontend.protocol import GenerationOptions
+from services.frontend.tokenizer import MAX_INLINE_TOKENS, AsyncTokenizer
 
 _INT64 = 2**64
 
@@ -37,6 +38,11 @@ class ServingModel:
     eos_token_ids: tuple[int, ...] = ()
     # Lowers the engine's context length; None keeps the engine's.
     max_model_len: int | None = None
+    # The tokenizer's work on the request path, off the event loop for large inputs; one for both faces.
+    async_tokenizer: AsyncTokenizer = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "async_tokenizer", AsyncTokenizer(self.tokenizer))
 
 
 class ServerState:
@@ -100,6 +106,7 @@ class OpenAIServing:
         self.model = model
         self.state = state
         self.observer = observer
+        self.async_tokenizer = model.async_tokenizer
         self.token_strings = TokenStrings(model.tokenizer)
 
     @property
@@ -254,7 +261,10 @@ class OpenAIServing:
                 if output.finish_reason == FinishReason.ABORT:
                     raise EngineError("The engine aborted the request.", "unavailable")
                 num_cached_tokens = max(num_cached_tokens, output.num_cached_tokens)
-                text = detokenizer.update(output.new_token_ids, is_finished=output.finished)
+                # A full response's tokens can arrive all at once: thousands to detokenize.
+                is_large = len(output.new_token_ids) > MAX_INLINE_TOKENS
+                text = await self.async_tokenizer.run(is_large, detokenizer.update, output.new_token_ids,
+                                                      is_finished=output.finished)
                 logprobs = list(output.new_logprobs) if wants_logprobs else []
                 if detokenizer.is_stopped:
                     await _close(outputs)  # abort now rather than after the client reads the last delta

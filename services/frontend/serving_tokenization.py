@@ -12,9 +12,9 @@ from typing import Any
 from aiohttp import web
 
 from services.frontend.errors import invalid_request
-from services.frontend.protocol import parse_chat_request, parse_json_body
+from services.frontend.json_body import parse_json_body
+from services.frontend.protocol import parse_chat_request
 from services.frontend.serving_engine import OpenAIServing
-from services.frontend.tokenizer import render_chat_prompt
 
 
 class OpenAIServingTokenization(OpenAIServing):
@@ -23,18 +23,18 @@ class OpenAIServingTokenization(OpenAIServing):
         self.check_model(_model(body))
         self.check_ready()  # max_model_len comes from the engine
         if "messages" in body:
-            token_ids = render_chat_prompt(self.model.tokenizer, parse_chat_request(
+            token_ids = await self.async_tokenizer.render_chat_prompt(parse_chat_request(
                 {"messages": body["messages"]}).messages)
         else:
             prompt = body.get("prompt")
             if not isinstance(prompt, str):
                 raise invalid_request("Give 'prompt' (a string) or 'messages'.", param="prompt")
             add_special_tokens = _flag(body, "add_special_tokens", True)
-            token_ids = list(self.model.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+            token_ids = await self.async_tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         response: dict[str, Any] = {"count": len(token_ids), "max_model_len": self.max_model_len,
                                     "tokens": token_ids}
         if _flag(body, "return_token_strs", False):
-            response["token_strs"] = self.model.tokenizer.convert_ids_to_tokens(token_ids)
+            response["token_strs"] = await self.async_tokenizer.convert_ids_to_tokens(token_ids)
         return web.json_response(response)
 
     async def create_detokenize(self, http_request: web.Request) -> web.Response:
@@ -45,7 +45,7 @@ class OpenAIServingTokenization(OpenAIServing):
         if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
             raise invalid_request("'tokens' must be an array of token ids.", param="tokens")
         self._check_token_ids(tokens, "tokens")
-        return web.json_response({"prompt": self.model.tokenizer.decode(tokens)})
+        return web.json_response({"prompt": await self.async_tokenizer.decode(tokens)})
 
 
 def _model(body: dict[str, Any]) -> str | None:

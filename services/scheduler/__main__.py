@@ -11,7 +11,11 @@ def main(argv: list[str] | None = None) -> int:
     from services.scheduler.config import config_from_args
     from services.scheduler.server import serve
 
-    config = config_from_args(argv)
+    try:
+        config = config_from_args(argv)
+    except ValueError as exc:  # a bad flag value: one line, not a traceback
+        print(f"scheduler: {exc}", file=sys.stderr)
+        return 2
     setup_logging("scheduler", config.log_level)
     return asyncio.run(serve(config))
 

@@ -5,6 +5,13 @@ import argparse
 from dataclasses import dataclass
 
 from services.common.flags import add_common_flags, add_flag
+from services.common.service_auth import (
+    FRONTEND_IDENTITY,
+    NO_SERVICE_AUTH,
+    ServiceAuthConfig,
+    add_service_auth_flags,
+    service_auth_config_from_args,
+)
 from services.common.telemetry import TelemetryConfig, add_telemetry_flags, telemetry_config_from_args
 
 
@@ -37,7 +44,15 @@ class SchedulerServiceConfig:
     log_level: str
     shutdown_timeout_s: float
     scheduler: SchedulerConfig
+    # A step not taken or answered within this is a lost worker (hung: stopped, deadlocked); 0: never.
+    worker_step_timeout_s: float = 30.0
     telemetry: TelemetryConfig = TelemetryConfig()
+    # Who may call this scheduler (frontends), and the credentials it presents to its worker.
+    auth: ServiceAuthConfig = NO_SERVICE_AUTH
+
+    def __post_init__(self) -> None:
+        if self.worker_step_timeout_s < 0:
+            raise ValueError("worker_step_timeout_s must be >= 0 (0 disables the timeout)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,7 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--enable-prefix-caching", type=bool, default=True, help="reuse KV blocks of shared prefixes")
     add_flag(parser, "--async-scheduling", type=bool, default=True,
              help="schedule the next step while the worker runs this one (two steps in flight)")
+    add_flag(parser, "--worker-step-timeout-s", type=float, default=30.0,
+             help="seconds a worker may take to answer one step before it is treated as lost (its requests "
+                  "fail, health turns NOT_SERVING, the engine reconnects); must exceed the slowest legitimate "
+                  "step at the configured token budget; 0 disables it")
     add_telemetry_flags(parser, default_metrics_port=9092)
+    add_service_auth_flags(parser, accepts_token_of="scheduler", sends_token_to="worker",
+                           default_allowed_clients=FRONTEND_IDENTITY)
     add_common_flags(parser)
     return parser
 
@@ -64,6 +85,7 @@ def config_from_args(argv: list[str] | None = None) -> SchedulerServiceConfig:
         worker_addr=args.worker_addr,
         log_level=args.log_level,
         shutdown_timeout_s=args.shutdown_timeout,
+        worker_step_timeout_s=args.worker_step_timeout_s,
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs,
@@ -73,4 +95,5 @@ def config_from_args(argv: list[str] | None = None) -> SchedulerServiceConfig:
             async_scheduling=args.async_scheduling,
         ),
         telemetry=telemetry_config_from_args(args),
+        auth=service_auth_config_from_args(args),
     )

@@ -4,8 +4,13 @@ With async scheduling (the default) two steps are in flight: step N+1 is sent be
 output is read, so the scheduler's work and the gRPC hops overlap the worker's.
 
 Its neighbours have a job each: the `Executor` owns the worker link (handshake, step stream,
-reconnection back-off), the `OutputRouter` owns the frontends and which requests each one owns. The
-engine core takes requests and aborts in between steps and runs the loop.
+reconnection back-off, the step timeout), the `OutputRouter` owns the frontends and which requests
+each one owns. The engine core takes requests and aborts in between steps and runs the loop.
+
+A frontend reaches only its own requests (the router scopes ids by frontend): an abort naming
+another frontend's request is ignored, and a request id the frontend already has running is refused
+without touching the running request. A request that breaks a rule of request_validation.py is
+refused at the door, before any step.
 """
 from __future__ import annotations
 
@@ -21,7 +26,8 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.executor import Executor
 from services.scheduler.output_router import OutputRouter, error_outputs
 from services.scheduler.request import Request
-from services.scheduler.scheduler import RequestRejected, Scheduler
+from services.scheduler.request_validation import RequestRejected
+from services.scheduler.scheduler import Scheduler
 from services.scheduler.worker_client import WorkerStepError, WorkerUnavailable
 
 logger = logging.getLogger(__name__)
@@ -46,24 +52,36 @@ class EngineCore:
 
     # --- requests in, between steps ------------------------------------------------------------------
     def add_request(self, client_id: int, req: EngineCoreRequest) -> None:
+        """Takes the client's request for the next step; a refusal goes back to the client alone."""
         if not self.is_worker_alive or self.is_draining:
             why = "the engine is draining" if self.is_draining else "the worker is unavailable"
             self.router.send(client_id, error_outputs([req.request_id], why, "unavailable"))
             return
-        self.router.own(req.request_id, client_id)
         request = Request(req)
+        try:  # at the door, so a bad request waits for no step (the scheduler checks again when it adds it)
+            self.scheduler.check_request(request)
+        except RequestRejected as exc:
+            self.router.send(client_id, error_outputs([req.request_id], str(exc), exc.code))
+            return
+        engine_id = self.router.own(req.request_id, client_id)
+        if engine_id is None:
+            self.router.send(client_id, error_outputs(
+                [req.request_id], f"duplicate request id {req.request_id!r}: this connection already has a "
+                "request running with it", "invalid_argument"))
+            return
+        request.request_id = engine_id  # the frontend's id, unless another frontend's request holds it
         if self.router.tracer is not None:
             self.router.tracer.on_add(request)
         self._pending_adds.append(request)
         self._wakeup.set()
 
-    def abort_requests(self, request_ids: list[str]) -> None:
-        self._pending_aborts.extend(request_ids)
-        self._wakeup.set()
+    def abort_requests(self, client_id: int, request_ids: list[str]) -> None:
+        """Aborts those of `request_ids` that the client owns; other ids are ignored."""
+        self._abort(self.router.release(client_id, request_ids))
 
     def unregister_client(self, client_id: int) -> None:
         """A frontend went away: its requests are aborted (nobody is left to read them)."""
-        self.abort_requests(self.router.unregister_client(client_id))
+        self._abort(self.router.unregister_client(client_id))
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats() if self.scheduler is not None else SchedulerStats()
@@ -78,6 +96,23 @@ class EngineCore:
     def fail_remaining(self, message: str) -> None:
         """Used at the end of a drain: whatever still runs is finished with an error."""
         self._fail_all(message, "unavailable")
+
+    def _abort(self, engine_ids: list[str]) -> None:
+        """Requests the router released: one not yet given to the scheduler is dropped at once, the
+        others between steps (their ids stay taken in the router until then)."""
+        if not engine_ids:
+            return
+        if self._pending_adds:
+            aborted = set(engine_ids)
+            dropped = {r.request_id for r in self._pending_adds if r.request_id in aborted}
+            if dropped:
+                self._pending_adds = [r for r in self._pending_adds if r.request_id not in dropped]
+                if self.router.tracer is not None:
+                    self.router.tracer.on_aborted(list(dropped))
+                self.router.disown(list(dropped))
+                engine_ids = [e for e in engine_ids if e not in dropped]
+        self._pending_aborts.extend(engine_ids)
+        self._wakeup.set()
 
     # --- the loop ----------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
@@ -128,7 +163,8 @@ class EngineCore:
     async def _start_worker(self) -> None:
         spec = await self.executor.start()
         gc.unfreeze()  # an earlier engine's block pool becomes collectable again
-        self.scheduler = Scheduler(self.config, spec.num_blocks, spec.block_size, spec.max_model_len)
+        self.scheduler = Scheduler(self.config, spec.num_blocks, spec.block_size, spec.max_model_len,
+                                   spec.vocab_size)
         # The block pool (one object per KV block, often 1e5) lives as long as the engine: keep it out of
         # the collector's full passes, each of which would otherwise stall a step for tens of ms.
         freeze_startup_objects()
@@ -162,11 +198,8 @@ class EngineCore:
             aborts, self._pending_aborts = self._pending_aborts, []
             if self.router.tracer is not None:
                 self.router.tracer.on_aborted(aborts)
-            self.router.disown([r.request_id for r in scheduler.abort_requests(aborts)])
-            aborted = set(aborts)
-            for request in [r for r in self._pending_adds if r.request_id in aborted]:
-                self._pending_adds.remove(request)
-                self.router.disown([request.request_id])
+            scheduler.abort_requests(aborts)
+            self.router.disown(aborts)  # found or not (finished meanwhile): the ids are free again
         adds, self._pending_adds = self._pending_adds, []
         for request in adds:
             try:
@@ -178,6 +211,7 @@ class EngineCore:
         requests = self.scheduler.fail_all() if self.scheduler is not None else []
         requests += self._pending_adds
         self._pending_adds = []
+        self.router.disown(self._pending_aborts)
         self._pending_aborts = []
         self._publish(error_outputs([r.request_id for r in requests], message, code), None)
 

@@ -27,22 +27,19 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.request_queue import create_request_queue
+from services.scheduler.request_validation import RequestRejected, validate_request
 from services.scheduler.step_output import build_scheduler_output
 from services.scheduler.stop_checker import check_stop, init_stop_triggers, may_stop
 
 
-class RequestRejected(Exception):
-    """A request the engine can never serve; `code` is the error class sent to the frontend."""
-
-    def __init__(self, message: str, code: str = "invalid_argument"):
-        super().__init__(message)
-        self.code = code
-
-
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int, max_model_len: int):
+    def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int, max_model_len: int,
+                 vocab_size: int | None = None):
+        """`vocab_size`: the worker's, which every token id a request carries must be below (None
+        checks only that ids are non-negative: a scheduler built without a worker)."""
         self.config = config
         self.block_size = block_size
+        self.vocab_size = vocab_size
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching)
         # A request may never need more blocks than exist, or preemption would loop forever.
         self.max_model_len = min(max_model_len, (num_blocks - 1) * block_size)
@@ -56,21 +53,21 @@ class Scheduler:
 
     # --- requests in and out ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queues a request; raises RequestRejected if it can never be served."""
+        """Queues a request; raises RequestRejected if it can never be served (request_validation.py
+        lists the rules) or the waiting queue is full."""
         if request.request_id in self.requests:
             raise RequestRejected(f"duplicate request id {request.request_id!r}")
-        if request.num_prompt_tokens == 0:
-            raise RequestRejected("the prompt is empty")
-        if request.num_prompt_tokens > self.max_model_len:
-            raise RequestRejected(
-                f"the prompt has {request.num_prompt_tokens} tokens, more than the maximum of {self.max_model_len}"
-            )
+        self.check_request(request)
         limit = self.config.max_num_waiting_requests
         if limit and len(self.waiting) >= limit:
             raise RequestRejected(f"the waiting queue is full ({limit} requests)", code="resource_exhausted")
         init_stop_triggers(request, self.max_model_len)
         self.requests[request.request_id] = request
         self.waiting.add(request)
+
+    def check_request(self, request: Request) -> None:
+        """Raises RequestRejected (invalid_argument) if the request breaks a rule of request_validation.py."""
+        validate_request(request, self.max_model_len, self.vocab_size)
 
     def abort_requests(self, request_ids: list[str]) -> list[Request]:
         """Finishes the requests at once and frees their blocks; returns those that existed."""
@@ -79,10 +76,7 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None:
                 continue
-            if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-                self.waiting.remove(request)
-            else:
-                self.running.remove(request)
+            self._dequeue(request)
             self._finish(request, FinishReason.ABORT)
             aborted.append(request)
         return aborted
@@ -248,7 +242,10 @@ class Scheduler:
                 continue
             req_ids.append(req_id)
             new_token_ids_column.append(new_token_ids)
-        return EngineCoreOutputs(req_ids, new_token_ids_column, extras)
+        outputs = EngineCoreOutputs(req_ids, new_token_ids_column, extras)
+        if runner_output.failed_reqs:
+            self._fail_refused(runner_output.failed_reqs, outputs)
+        return outputs
 
     def get_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
@@ -265,6 +262,26 @@ class Scheduler:
         )
 
     # --- helpers ---------------------------------------------------------------------------------
+    def _fail_refused(self, failed: dict[str, str], outputs: EngineCoreOutputs) -> None:
+        """Requests the worker refused to run (their inputs, not the step, were at fault): each ends
+        with an error of its own, and the step's other requests go on."""
+        for req_id, reason in failed.items():
+            request = self.requests.get(req_id)
+            if request is None:
+                continue  # finished or aborted meanwhile, or refused again by a step that was in flight
+            self._dequeue(request)
+            self._finish(request, FinishReason.ERROR)
+            outputs.append(req_id, [], OutputExtras(
+                finish_reason=FinishReason.ERROR, num_cached_tokens=max(request.num_cached_tokens, 0),
+                events=request.take_events(), error_message=f"the worker could not run the request: {reason}",
+                error_code="internal"))
+
+    def _dequeue(self, request: Request) -> None:
+        if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(request)
+        else:
+            self.running.remove(request)
+
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))

@@ -59,7 +59,7 @@ class EngineCoreServicer(engine_core_pb2_grpc.EngineCoreServiceServicer):
                 if kind == "add_request":
                     self.engine.add_request(client_id, codec.engine_core_request_from_pb(message.add_request))
                 elif kind == "abort_requests":
-                    self.engine.abort_requests(list(message.abort_requests.request_ids))
+                    self.engine.abort_requests(client_id, list(message.abort_requests.request_ids))
         except (grpc.aio.AioRpcError, asyncio.CancelledError):
             pass
 
@@ -83,8 +83,9 @@ class SchedulerServer:
     def __init__(self, config: SchedulerServiceConfig, tracing: Tracing | None = None):
         self.config = config
         self.tracing = tracing
-        self.grpc = GrpcServer(config.scheduler_addr, [SERVICE_NAME], server_interceptors(tracing))
-        self.executor = Executor([WorkerClient(config.worker_addr, client_interceptors(tracing))])
+        self.grpc = GrpcServer(config.scheduler_addr, [SERVICE_NAME], server_interceptors(tracing), auth=config.auth)
+        self.executor = Executor([WorkerClient(config.worker_addr, client_interceptors(tracing), auth=config.auth)],
+                                 step_timeout_s=config.worker_step_timeout_s)
         router = OutputRouter(SchedulerTracer(tracing) if tracing is not None else None)
         self.engine = EngineCore(config.scheduler, self.executor, router, self._on_health_change)
         engine_core_pb2_grpc.add_EngineCoreServiceServicer_to_server(EngineCoreServicer(self.engine), self.grpc.server)

@@ -11,6 +11,7 @@ from services.common import worker_codec
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.messages import KVCacheSpec, ModelRunnerOutput, SchedulerOutput
 from services.common.pb import worker_pb2, worker_pb2_grpc
+from services.common.service_auth import NO_SERVICE_AUTH, ServiceAuthConfig, open_channel
 
 logger = logging.getLogger(__name__)
 
@@ -24,9 +25,12 @@ class WorkerStepError(Exception):
 
 
 class WorkerClient:
-    def __init__(self, address: str, interceptors: Sequence[Any] = ()):
+    def __init__(self, address: str, interceptors: Sequence[Any] = (), auth: ServiceAuthConfig = NO_SERVICE_AUTH):
         self.address = address
         self._interceptors = list(interceptors)  # tracing: context in the handshake RPCs' metadata
+        # This scheduler's certificate and/or the worker's token; the files are read at each connect,
+        # so a reconnect presents a renewed certificate.
+        self._auth = auth
         self._channel: grpc.aio.Channel | None = None
         self._stub: worker_pb2_grpc.WorkerServiceStub | None = None
         self._stream = None
@@ -35,8 +39,10 @@ class WorkerClient:
     async def connect(self, timeout_s: float = 5.0) -> KVCacheSpec:
         """Opens the channel and asks the worker how big its KV cache can be."""
         await self.close()
-        self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS,
-                                                  interceptors=self._interceptors or None)
+        try:
+            self._channel = open_channel(self.address, self._auth, CHANNEL_OPTIONS, self._interceptors)
+        except ValueError as exc:  # a certificate file unreadable mid-rotation: retried like a lost worker
+            raise WorkerUnavailable(f"worker at {self.address}: {exc}") from exc
         self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
         try:
             response = await self._stub.DescribeKVCache(

@@ -9,6 +9,13 @@ from pathlib import Path
 import torch
 
 from services.common.flags import add_common_flags, add_flag
+from services.common.service_auth import (
+    NO_SERVICE_AUTH,
+    SCHEDULER_IDENTITY,
+    ServiceAuthConfig,
+    add_service_auth_flags,
+    service_auth_config_from_args,
+)
 from services.common.telemetry import TelemetryConfig, add_telemetry_flags, telemetry_config_from_args
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -47,6 +54,7 @@ class WorkerConfig:
     shutdown_timeout: float = 30.0
     fake_model: bool = False  # no weights; each step returns a fixed token (engine-overhead benchmark)
     telemetry: TelemetryConfig = TelemetryConfig()  # traces endpoint and metrics port
+    auth: ServiceAuthConfig = NO_SERVICE_AUTH  # who may call this worker: its scheduler
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -101,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--fake-model", type=bool, default=False,
              help="load no weights; every step returns a fixed token at once (measures engine overhead)")
     add_telemetry_flags(parser, default_metrics_port=9093)
+    add_service_auth_flags(parser, accepts_token_of="worker", default_allowed_clients=SCHEDULER_IDENTITY)
     add_common_flags(parser)
     return parser
 
@@ -127,6 +136,7 @@ def config_from_args(argv: list[str] | None = None) -> WorkerConfig:
         shutdown_timeout=args.shutdown_timeout,
         fake_model=args.fake_model,
         telemetry=telemetry_config_from_args(args),
+        auth=service_auth_config_from_args(args),
     )
 
 

@@ -1,7 +1,8 @@
 """A model runner without a model, for measuring the engine's own cost (`--fake-model`).
 
 It keeps the same per-request bookkeeping as `ModelRunner` (the scheduler's diffs are applied in
-full, so protocol mistakes still raise), but its "forward" is free: every request whose computed
+full, so protocol mistakes still raise, and a new request with token ids outside the vocabulary
+fails alone, in `failed_reqs`), but its "forward" is free: every request whose computed
 tokens reach the end of its known tokens this step (computed + scheduled == known, the rule the real
 runner samples by) gets `FAKE_TOKEN_ID` at once. Nothing is allocated: the KV cache is only
 reported, sized for the embedded SmolLM2-135M-Instruct's geometry so the scheduler sees the block
@@ -20,6 +21,7 @@ import torch
 from services.common.messages import KVCacheSpec, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from services.common.model_files import DEFAULT_MODEL_NAME
 from services.worker.config import WorkerConfig
+from services.worker.input_checks import RequestInputError, check_token_ids
 from services.worker.kv_cache import KVCacheLayout, num_blocks_for_budget
 
 # SmolLM2-135M-Instruct's shape: the frontend serves its tokenizer, so ids must fit its vocabulary.
@@ -41,10 +43,13 @@ class _FakeRequestState:
 class FakeModelRunner:
     """The `ModelRunner` interface (initialize_kv_cache, reset, execute_model) with no model."""
 
-    def __init__(self, kv_cache_layout: KVCacheLayout, token_id: int = FAKE_TOKEN_ID):
+    def __init__(self, kv_cache_layout: KVCacheLayout, token_id: int = FAKE_TOKEN_ID,
+                 vocab_size: int = FAKE_VOCAB_SIZE):
         self.kv_cache_layout = kv_cache_layout
         self.token_id = token_id
+        self.vocab_size = vocab_size
         self.requests: dict[str, _FakeRequestState] = {}
+        self.failed_req_ids: set[str] = set()  # as ModelRunner's: skipped until reported finished
 
     def initialize_kv_cache(self, num_blocks: int) -> int:
         """Drops all request state; allocates nothing and returns the bytes a real cache would take."""
@@ -53,15 +58,18 @@ class FakeModelRunner:
 
     def reset(self) -> None:
         self.requests.clear()
+        self.failed_req_ids.clear()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter_ns()
-        self._update_states(scheduler_output)
+        failed: dict[str, str] = {}
+        self._update_states(scheduler_output, failed)
         req_ids: list[str] = []
         sampled: list[list[int]] = []
         logprobs: list[TokenLogprobs | None] = []
+        skipped = self.failed_req_ids
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
-            if num_scheduled <= 0:
+            if num_scheduled <= 0 or (skipped and req_id in skipped):
                 continue
             state = self.requests.get(req_id)
             if state is None:
@@ -81,13 +89,22 @@ class FakeModelRunner:
                 sampled.append([])
                 logprobs.append(None)
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs,
-                                 prepare_ns=time.perf_counter_ns() - start, step_id=scheduler_output.step_id)
+                                 prepare_ns=time.perf_counter_ns() - start, step_id=scheduler_output.step_id,
+                                 failed_reqs=failed)
 
-    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+    def _update_states(self, scheduler_output: SchedulerOutput, failed: dict[str, str]) -> None:
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
+        if self.failed_req_ids:
+            self.failed_req_ids.difference_update(scheduler_output.finished_req_ids)
         # Preempted requests keep their state: they come back as resumed cached requests.
         for new in scheduler_output.scheduled_new_reqs:
+            try:
+                check_token_ids(new.prompt_token_ids, "prompt_token_ids", self.vocab_size)
+            except RequestInputError as exc:
+                self.failed_req_ids.add(new.req_id)
+                failed[new.req_id] = str(exc)
+                continue
             self.requests[new.req_id] = _FakeRequestState(
                 len(new.prompt_token_ids), new.num_computed_tokens, new.sampling_params.logprobs is not None)
         cached = scheduler_output.scheduled_cached_reqs
@@ -96,11 +113,23 @@ class FakeModelRunner:
             for req_id, num_computed in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
                 requests[req_id].num_computed_tokens = num_computed
         except KeyError as exc:
-            raise ValueError(f"scheduler sent cached request {exc.args[0]!r} that this worker does not hold") from None
+            if exc.args[0] not in self.failed_req_ids:
+                raise ValueError(f"scheduler sent cached request {exc.args[0]!r} that this worker does not hold") \
+                    from None
+            self._update_cached_skipping_failed(cached.req_ids, cached.num_computed_tokens)
         # Resumed requests come first (the scheduler sends a token list for those only).
         for req_id, tokens in zip(cached.req_ids, cached.resumed_token_ids):
             if tokens:  # resumed after preemption: the resent tokens are the truth
                 requests[req_id].num_tokens = len(tokens)
+
+    def _update_cached_skipping_failed(self, req_ids: list[str], num_computed_tokens: list[int]) -> None:
+        """The slow path of a step that still names a request failed earlier."""
+        for req_id, num_computed in zip(req_ids, num_computed_tokens, strict=True):
+            state = self.requests.get(req_id)
+            if state is not None:
+                state.num_computed_tokens = num_computed
+            elif req_id not in self.failed_req_ids:
+                raise ValueError(f"scheduler sent cached request {req_id!r} that this worker does not hold")
 
 
 def load_fake_model(config: WorkerConfig, dtype: torch.dtype) -> tuple[FakeModelRunner, KVCacheSpec]:

@@ -11,6 +11,11 @@ Per step (`execute_model`):
    end of their known tokens (a partial prefill chunk samples nothing);
 5. sample, and append each sampled token to its request: the scheduler never resends them. The
    runner never advances a count itself: every step brings the scheduler's.
+
+A request whose inputs would make the step raise (input_checks.py: token ids, block ids, lengths)
+fails alone: it leaves the batch, is reported in `failed_reqs`, and the step runs without it; the
+runner skips it in the steps already sent until the scheduler reports it finished. A step that
+raises anywhere else fails as a whole (the server answers it with an error).
 """
 from __future__ import annotations
 
@@ -21,10 +26,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from services.common.messages import CachedRequestData, ModelRunnerOutput, SchedulerOutput
+from services.common.messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from services.worker.attention.backend import AttentionBackend, CommonAttentionMetadata
 from services.worker.config import RunnerConfig
 from services.worker.input_batch import CachedRequestState, InputBatch
+from services.worker.input_checks import RequestInputError, check_block_ids, check_new_request, check_tokens
 from services.worker.kv_cache import KVCacheLayout, allocate_kv_caches
 from services.worker.sampler import Sampler, TorchSampler
 from services.worker.sampling_metadata import build_sampling_metadata
@@ -65,6 +71,9 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, config.block_size)
         self.kv_caches: list[torch.Tensor] = []
+        self.num_blocks = 0
+        # Failed here, not yet reported finished by the scheduler: steps sent meanwhile still name them.
+        self.failed_req_ids: set[str] = set()
 
     # --- lifecycle ------------------------------------------------------------------------------
     def initialize_kv_cache(self, num_blocks: int) -> int:
@@ -77,22 +86,26 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(self.kv_cache_layout, num_blocks, self.attn_backend, self.device)
         for layer, cache in zip(self.model.attention_layers(), self.kv_caches, strict=True):
             layer.kv_cache = cache
+        self.num_blocks = num_blocks
         return num_blocks * self.kv_cache_layout.bytes_per_block
 
     def reset(self) -> None:
         self.requests.clear()
         self.input_batch.clear()
+        self.failed_req_ids.clear()
 
     # --- one step -------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter_ns()
-        self._update_states(scheduler_output)
         if not self.kv_caches:
             raise RuntimeError("KV cache not initialised: InitializeKVCache must come first")
-        inputs = self._prepare_inputs(scheduler_output)
+        failed: dict[str, str] = {}
+        self._update_states(scheduler_output, failed)
+        inputs = self._prepare_inputs(scheduler_output, failed)
         if inputs is None:
-            return ModelRunnerOutput(step_id=scheduler_output.step_id, prepare_ns=time.perf_counter_ns() - start)
+            return ModelRunnerOutput(step_id=scheduler_output.step_id, prepare_ns=time.perf_counter_ns() - start,
+                                     failed_reqs=failed)
         prepared = time.perf_counter_ns()
         hidden_states = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         logits = None
@@ -112,27 +125,23 @@ class ModelRunner:
             forward_ns=forwarded - prepared,
             sample_ns=done - forwarded,
             step_id=scheduler_output.step_id,
+            failed_reqs=failed,
         )
 
-    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+    def _update_states(self, scheduler_output: SchedulerOutput, failed: dict[str, str]) -> None:
         batch = self.input_batch
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
             batch.remove_request(req_id)
+        if self.failed_req_ids:
+            self.failed_req_ids.difference_update(scheduler_output.finished_req_ids)
         for req_id in scheduler_output.preempted_req_ids:
             batch.remove_request(req_id)  # state kept: it comes back as a resumed cached request
         for new in scheduler_output.scheduled_new_reqs:
-            seed = new.sampling_params.seed
-            state = CachedRequestState(
-                req_id=new.req_id,
-                prompt_token_ids=list(new.prompt_token_ids),
-                sampling_params=new.sampling_params,
-                generator=torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None,
-                block_ids=list(new.block_ids),
-                num_computed_tokens=new.num_computed_tokens,
-            )
-            self.requests[new.req_id] = state
-            batch.add_request(state)
+            try:
+                self._add_new_request(new)
+            except RequestInputError as exc:
+                self._fail_request(new.req_id, str(exc), failed)
         cached = scheduler_output.scheduled_cached_reqs
         rows = batch.req_id_to_index
         for i, (req_id, new_block_ids, num_computed, is_resumed) in enumerate(zip(
@@ -140,34 +149,75 @@ class ModelRunner:
                 strict=True)):
             row = rows.get(req_id)
             if row is None or is_resumed:
-                self._add_cached_request(cached, i)
+                try:
+                    self._add_cached_request(cached, i)
+                except RequestInputError as exc:
+                    self._fail_request(req_id, str(exc), failed)
                 continue
             # The common case, a running request's delta: a block now and then, and its count.
             if new_block_ids:
+                try:
+                    check_block_ids(new_block_ids, int(batch.block_table.num_blocks_per_row[row]), self.num_blocks,
+                                    batch.block_table.max_num_blocks_per_req)
+                except RequestInputError as exc:
+                    self._fail_request(req_id, str(exc), failed)
+                    continue
                 batch.append_block_ids(row, new_block_ids)
             batch.set_num_computed_tokens(row, num_computed)
         batch.condense()
+
+    def _add_new_request(self, new: NewRequestData) -> None:
+        check_new_request(new, self.vocab_size, self.num_blocks, self.config.max_model_len,
+                          self.input_batch.block_table.max_num_blocks_per_req)
+        seed = new.sampling_params.seed
+        state = CachedRequestState(
+            req_id=new.req_id,
+            prompt_token_ids=list(new.prompt_token_ids),
+            sampling_params=new.sampling_params,
+            generator=torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None,
+            block_ids=list(new.block_ids),
+            num_computed_tokens=new.num_computed_tokens,
+        )
+        self.requests[new.req_id] = state
+        self.input_batch.add_request(state)
 
     def _add_cached_request(self, cached: CachedRequestData, i: int) -> None:
         """(Re)builds the row of a held request that is resumed or out of the batch."""
         req_id = cached.req_ids[i]
         state = self.requests.get(req_id)
         if state is None:
+            if req_id in self.failed_req_ids:
+                return  # failed in an earlier step; the scheduler has not heard yet
             raise ValueError(f"scheduler sent cached request {req_id!r} that this worker does not hold")
         new_block_ids = cached.new_block_ids[i]
+        num_computed = cached.num_computed_tokens[i]
+        max_num_blocks = self.input_batch.block_table.max_num_blocks_per_req
         if cached.resumed_from_preemption[i]:  # recomputed from scratch in new blocks; resent tokens are the truth
-            state.block_ids = list(new_block_ids)
             tokens = cached.resumed_token_ids[i] if i < len(cached.resumed_token_ids) else []
+            if tokens:
+                check_tokens(tokens, num_computed, self.vocab_size, self.config.max_model_len)
+            check_block_ids(new_block_ids, 0, self.num_blocks, max_num_blocks)
+            state.block_ids = list(new_block_ids)
             if tokens:
                 state.output_token_ids = list(tokens[len(state.prompt_token_ids) :])
         else:
+            check_block_ids(new_block_ids, len(state.block_ids), self.num_blocks, max_num_blocks)
             state.block_ids.extend(new_block_ids)
-        state.num_computed_tokens = cached.num_computed_tokens[i]
+        state.num_computed_tokens = num_computed
         self.input_batch.add_request(state)  # (re)builds the whole row from the state
 
-    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInputs | None:
+    def _fail_request(self, req_id: str, reason: str, failed: dict[str, str]) -> None:
+        """The request leaves the batch and the runner; the scheduler hears why in this step's output."""
+        self.requests.pop(req_id, None)
+        self.input_batch.remove_request(req_id)
+        self.failed_req_ids.add(req_id)
+        failed[req_id] = reason
+
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput, failed: dict[str, str]) -> ModelInputs | None:
         batch = self.input_batch
         scheduled = [(r, n) for r, n in scheduler_output.num_scheduled_tokens.items() if n > 0]
+        if self.failed_req_ids:
+            scheduled = [(r, n) for r, n in scheduled if r not in self.failed_req_ids]
         if not scheduled:
             return None
         req_ids = [r for r, _ in scheduled]
@@ -179,12 +229,21 @@ class ModelRunner:
         num_computed = batch.num_computed_tokens_cpu[rows]
         num_tokens = batch.num_tokens[rows]
         seq_lens = num_computed + num_scheduled
-        if (seq_lens > num_tokens).any():
-            i = int(np.argmax(seq_lens > num_tokens))
-            raise ValueError(
-                f"request {req_ids[i]!r}: {int(num_computed[i])} computed + {int(num_scheduled[i])} scheduled "
-                f"tokens exceed the {int(num_tokens[i])} tokens the worker knows"
-            )
+        # Every token the step computes must be known, inside max_model_len, and have a block.
+        capacity = np.minimum(num_tokens, batch.block_table.num_blocks_per_row[rows] * self.config.block_size)
+        is_bad = (seq_lens > capacity) | (seq_lens > self.config.max_model_len) | (num_computed < 0)
+        if is_bad.any():
+            for i in np.flatnonzero(is_bad).tolist():
+                self._fail_request(req_ids[i], (
+                    f"{int(num_computed[i])} computed + {int(num_scheduled[i])} scheduled tokens exceed the "
+                    f"{int(num_tokens[i])} tokens the worker knows or the "
+                    f"{int(batch.block_table.num_blocks_per_row[rows[i]])} blocks it holds"), failed)
+            keep = ~is_bad
+            if not keep.any():
+                return None
+            req_ids = [r for r, k in zip(req_ids, keep.tolist()) if k]
+            rows, num_scheduled, num_computed, num_tokens, seq_lens = (
+                rows[keep], num_scheduled[keep], num_computed[keep], num_tokens[keep], seq_lens[keep])
         query_start_loc = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(num_scheduled, out=query_start_loc[1:])
         num_total = int(query_start_loc[-1])

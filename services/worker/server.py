@@ -22,6 +22,7 @@ from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.common.telemetry import Tracing, server_interceptors, setup_tracing
 from services.worker.config import WorkerConfig
 from services.worker.metrics import WorkerMetrics
+from services.worker.scheduler_lease import SchedulerLease
 from services.worker.tracing import WorkerTracer
 from services.worker.worker import Worker
 
@@ -38,6 +39,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         # Observability hooks (services/worker/metrics.py, tracing.py); tracer is None when tracing is off.
         self.metrics = WorkerMetrics()
         self.tracer: WorkerTracer | None = None
+        self.lease = SchedulerLease()  # one scheduler at a time (services/worker/scheduler_lease.py)
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -50,8 +52,24 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         await self._require_ready(context)
         return codec.kv_cache_spec_to_pb(self.worker.describe_kv_cache())
 
+    async def _refuse(self, context: grpc.aio.ServicerContext, method: str, reason: str) -> None:
+        logger.warning("refused %s from %s: %s", method, context.peer(), reason)
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, reason)
+
     async def InitializeKVCache(self, request, context):
         await self._require_ready(context)
+        refusal = self.lease.begin_initialize()
+        if refusal is not None:
+            await self._refuse(context, "InitializeKVCache", refusal)
+        is_ok = False
+        try:
+            response = await self._initialize_kv_cache(request, context)
+            is_ok = True
+            return response
+        finally:
+            self.lease.end_initialize(context.peer(), is_ok)
+
+    async def _initialize_kv_cache(self, request, context):
         try:
             num_blocks, num_bytes = await self._run(self.worker.initialize_kv_cache, request.num_blocks)
         except (ValueError, RuntimeError, MemoryError) as exc:
@@ -63,6 +81,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     async def ExecuteModel(self, request_iterator, context):
         await self._require_ready(context)
+        stream_id, refusal = self.lease.begin_stream(context.peer())
+        if refusal is not None:
+            await self._refuse(context, "ExecuteModel", refusal)
+        # However the stream ends: a dropped connection may cancel this generator where no finally runs.
+        context.add_done_callback(lambda _: self.lease.end_stream(stream_id))
         steps = codec.StepDecoder()  # this stream's end: each step may refer to the one before
         async for request in request_iterator:
             yield await self._run(self._step, request, steps)
@@ -96,7 +119,7 @@ class WorkerServer:
         self.servicer.tracer = WorkerTracer(tracing) if tracing is not None else None
         self.metrics_server = MetricsServer(self.servicer.metrics.registry, listen_host(config.worker_addr),
                                             config.telemetry.metrics_port)
-        self.grpc = GrpcServer(config.worker_addr, [SERVICE_NAME], server_interceptors(tracing))
+        self.grpc = GrpcServer(config.worker_addr, [SERVICE_NAME], server_interceptors(tracing), auth=config.auth)
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(self.servicer, self.grpc.server)
 
     @property

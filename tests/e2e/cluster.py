@@ -23,9 +23,11 @@ def free_port() -> int:
 class SpindleCluster:
     """frontend + scheduler + worker, each `python -m services.<name>`, configured by SPINDLE_* variables."""
 
-    def __init__(self, log_dir: Path, env: dict[str, str] | None = None, attention_backend: str = "cpu"):
+    def __init__(self, log_dir: Path, env: dict[str, str] | None = None, attention_backend: str = "cpu",
+                 service_env: dict[str, dict[str, str]] | None = None):
         """attention_backend: what the worker must report once healthy ("cpu" is the compiled C decode
-        kernel), so a failed kernel build cannot pass the parity tests on the PyTorch fallback."""
+        kernel), so a failed kernel build cannot pass the parity tests on the PyTorch fallback.
+        service_env: variables for one service only (its certificate, its tokens), by service name."""
         self.log_dir = log_dir
         self.attention_backend = attention_backend
         self.http_port = free_port()
@@ -49,6 +51,7 @@ class SpindleCluster:
             "PYTHONUNBUFFERED": "1",
             **(env or {}),
         }
+        self.service_env = service_env or {}
         self.procs: dict[str, subprocess.Popen] = {}
 
     @property
@@ -57,7 +60,8 @@ class SpindleCluster:
 
     def start_service(self, name: str) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "ab")
-        proc = subprocess.Popen([sys.executable, "-m", f"services.{name}"], cwd=ROOT, env=self.env,
+        proc = subprocess.Popen([sys.executable, "-m", f"services.{name}"], cwd=ROOT,
+                                env={**self.env, **self.service_env.get(name, {})},
                                 stdout=log, stderr=subprocess.STDOUT)
         self.procs[name] = proc
         return proc

@@ -19,8 +19,9 @@ K8S = ROOT / "k8s"
 OVERLAYS = sorted(p.parent.name for p in (K8S / "overlays").glob("*/kustomization.yaml"))
 NAMESPACE = "spindle"
 CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
-# Kinds kubernetes-validate has no schema for (CRDs): test_crds.py checks these by hand.
-CRD_KINDS = {"ServiceMonitor", "InferencePool", "InferenceObjective", "HTTPRoute"}
+# Kinds kubernetes-validate has no schema for (CRDs): test_crds.py checks these by hand (cert-manager's
+# Certificate and Issuer: test_service_auth.py).
+CRD_KINDS = {"ServiceMonitor", "InferencePool", "InferenceObjective", "HTTPRoute", "Certificate", "Issuer"}
 
 
 def require_kubectl() -> str:
@@ -98,7 +99,11 @@ class Rendered:
         for source in container.get("envFrom", []):
             env.update(self.config_map_data(source["configMapRef"]["name"]))
         for var in container.get("env", []):
-            env[var["name"]] = var.get("value", f"<{var['name']} from the downward API>")
+            secret = var.get("valueFrom", {}).get("secretKeyRef")
+            if secret is not None:  # a stand-in the flag parsers accept (a token: no whitespace)
+                env[var["name"]] = f"<secret:{secret['name']}/{secret['key']}>"
+            else:
+                env[var["name"]] = var.get("value", f"<{var['name']} from the downward API>")
         return env
 
 
@@ -122,6 +127,19 @@ def container_ports(container: dict[str, Any]) -> dict[str | int, int]:
 
 def probes(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {kind: container[kind] for kind in ("startupProbe", "readinessProbe", "livenessProbe") if kind in container}
+
+
+HEALTH_PROBE = ["python", "-m", "services.common.health_probe"]
+
+
+def exec_probe(probe: dict[str, Any]) -> dict[str, Any] | None:
+    """An exec probe running Spindle's gRPC health probe, as {"host", "port"} of the address it
+    checks (the probe runs inside the container); None for any other probe."""
+    command = probe.get("exec", {}).get("command", [])
+    if command[:3] != HEALTH_PROBE or len(command) < 4:
+        return None
+    host, port = addr_port(command[3])
+    return {"host": host, "port": port}
 
 
 def addr_port(address: str) -> tuple[str, int]:

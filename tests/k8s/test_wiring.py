@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.k8s.manifests import OVERLAYS, container_ports, matches, probes, rendered
+from tests.k8s.manifests import OVERLAYS, container_ports, exec_probe, matches, probes, rendered
 
 pytestmark = pytest.mark.parametrize("overlay", OVERLAYS)
 
@@ -33,8 +33,9 @@ def test_probes_target_declared_ports(overlay):
         for container in pod.containers:
             ports = container_ports(container)
             for kind, probe in probes(container).items():
-                handler = probe.get("httpGet") or probe.get("tcpSocket") or probe.get("grpc")
-                assert handler is not None, f"{pod.owner}/{container['name']} {kind}: no http, tcp or grpc check"
+                handler = probe.get("httpGet") or probe.get("tcpSocket") or probe.get("grpc") or exec_probe(probe)
+                assert handler is not None, (
+                    f"{pod.owner}/{container['name']} {kind}: no http, tcp, grpc or health_probe check")
                 assert handler["port"] in ports, (
                     f"{pod.owner}/{container['name']} {kind} targets {handler['port']!r}; "
                     f"declared: {sorted(map(str, ports))}")
