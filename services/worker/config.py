@@ -53,6 +53,8 @@ class WorkerConfig:
     log_level: str = "INFO"
     shutdown_timeout: float = 30.0
     fake_model: bool = False  # no weights; each step returns a fixed token (engine-overhead benchmark)
+    # A step running longer turns health NOT_SERVING (services/worker/step_watchdog.py); 0: never.
+    step_timeout_s: float = 30.0
     telemetry: TelemetryConfig = TelemetryConfig()  # traces endpoint and metrics port
     auth: ServiceAuthConfig = NO_SERVICE_AUTH  # who may call this worker: its scheduler
 
@@ -108,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
                   "for batches of more than 2 rows (3x the weight memory; batched decode about 1.9x faster)")
     add_flag(parser, "--fake-model", type=bool, default=False,
              help="load no weights; every step returns a fixed token at once (measures engine overhead)")
+    # The scheduler reads the same flag (and SPINDLE_WORKER_STEP_TIMEOUT_S) for its own timeout.
+    add_flag(parser, "--worker-step-timeout-s", type=float, default=30.0,
+             help="seconds one step may run before health turns NOT_SERVING (so a liveness probe restarts a "
+                  "hung worker); must exceed the slowest legitimate step; 0 disables it")
     add_telemetry_flags(parser, default_metrics_port=9093)
     add_service_auth_flags(parser, accepts_token_of="worker", default_allowed_clients=SCHEDULER_IDENTITY)
     add_common_flags(parser)
@@ -135,6 +141,7 @@ def config_from_args(argv: list[str] | None = None) -> WorkerConfig:
         log_level=args.log_level,
         shutdown_timeout=args.shutdown_timeout,
         fake_model=args.fake_model,
+        step_timeout_s=args.worker_step_timeout_s,
         telemetry=telemetry_config_from_args(args),
         auth=service_auth_config_from_args(args),
     )

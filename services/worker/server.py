@@ -23,6 +23,7 @@ from services.common.telemetry import Tracing, server_interceptors, setup_tracin
 from services.worker.config import WorkerConfig
 from services.worker.metrics import WorkerMetrics
 from services.worker.scheduler_lease import SchedulerLease
+from services.worker.step_watchdog import StepWatchdog
 from services.worker.tracing import WorkerTracer
 from services.worker.worker import Worker
 
@@ -32,8 +33,9 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
-    def __init__(self, worker: Worker, executor: ThreadPoolExecutor):
+    def __init__(self, worker: Worker, executor: ThreadPoolExecutor, watchdog: StepWatchdog | None = None):
         self.worker = worker
+        self.watchdog = watchdog
         self.executor = executor
         self.is_ready = False
         # Observability hooks (services/worker/metrics.py, tracing.py); tracer is None when tracing is off.
@@ -94,6 +96,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
               ) -> worker_pb2.ExecuteModelResponse:
         step_id = request.scheduler_output.step_id
         start_s = time.time()
+        if self.watchdog is not None:
+            self.watchdog.step_started(step_id)
         try:
             scheduler_output = steps.decode(request.scheduler_output)
             output = self.worker.execute_model(scheduler_output)
@@ -105,6 +109,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             logger.exception("step %d failed", step_id)
             self.metrics.on_step_failed()
             return steps.encode_failure(step_id, f"worker step {step_id} failed: {type(exc).__name__}: {exc}")
+        finally:
+            if self.watchdog is not None:
+                self.watchdog.step_ended()
 
 
 class WorkerServer:
@@ -114,7 +121,9 @@ class WorkerServer:
         self.config = config
         self.worker = worker or Worker(config)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-runner")
-        self.servicer = WorkerServicer(self.worker, self.executor)
+        self.watchdog = StepWatchdog(config.step_timeout_s, self._set_serving, lambda: self.servicer.is_ready)
+        self.servicer = WorkerServicer(self.worker, self.executor, self.watchdog)
+        self._watchdog_task: asyncio.Task | None = None
         self.tracing = tracing
         self.servicer.tracer = WorkerTracer(tracing) if tracing is not None else None
         self.metrics_server = MetricsServer(self.servicer.metrics.registry, listen_host(config.worker_addr),
@@ -127,9 +136,13 @@ class WorkerServer:
         host = self.config.worker_addr.rsplit(":", 1)[0]
         return f"{host}:{self.grpc.port}"
 
+    async def _set_serving(self, is_serving: bool) -> None:
+        await self.grpc.set_serving(is_serving)
+
     async def start(self) -> None:
         await self.metrics_server.start()
         await self.grpc.start()
+        self._watchdog_task = asyncio.ensure_future(self.watchdog.run())
         logger.info("worker listening on %s (NOT_SERVING until the model is loaded)", self.address)
 
     async def load(self) -> None:
@@ -146,6 +159,8 @@ class WorkerServer:
 
     async def stop(self, grace_s: float) -> None:
         self.servicer.is_ready = False
+        if self._watchdog_task is not None:
+            self._watchdog_task.cancel()
         await self.grpc.stop(grace_s)
         self.executor.shutdown(wait=False, cancel_futures=True)
         await self.metrics_server.stop()
