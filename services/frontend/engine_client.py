@@ -156,8 +156,10 @@ class EngineClient:
                 raise EngineError("the scheduler closed the stream", "unavailable")
             except asyncio.CancelledError:
                 raise
-            except (grpc.aio.AioRpcError, EngineError) as exc:
+            except (grpc.aio.AioRpcError, EngineError, ValueError) as exc:  # ValueError: a malformed message
                 self._connected.clear()
+                if self._call is not None:
+                    self._call.cancel()  # a stream we stopped reading: the scheduler drops its requests
                 why = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
                 self._fail_all(f"lost the scheduler: {why}")
                 await asyncio.sleep(backoff_s)

@@ -33,6 +33,8 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
         raise _unparsable(str(exc)) from None
     except RecursionError:
         raise too_deep() from None
+    except ValueError as exc:  # an integer literal past Python's digit limit (4,300 digits)
+        raise _unparsable(f"a number in the body is too long: {exc}") from None
     if not isinstance(body, dict):
         raise invalid_request("The request body must be a JSON object.")
     # Nesting needs as many brackets: fewer in all, and the body cannot be too deep.

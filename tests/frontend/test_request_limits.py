@@ -121,6 +121,9 @@ BAD_BODIES = {
                             + _nested(10_000) + "}", f"more than {MAX_JSON_DEPTH} levels deep"),
     "nested-10000-objects": (lambda path: '{"a": ' * 10_000 + "1" + "}" * 10_000,
                              f"more than {MAX_JSON_DEPTH} levels deep"),
+    # json.loads refuses integer literals past 4,300 digits with a plain ValueError.
+    "integer-of-5000-digits": (lambda path: ROUTE_BODIES[path].replace("PLACE", '"Hi"')[:-1] + ', "x": '
+                               + "9" * 5000 + "}", "a number in the body is too long"),
     "nested-just-past-the-limit": (lambda path: ROUTE_BODIES[path].replace("PLACE", '"Hi"')[:-1] + ', "x": '
                                    + _nested(MAX_JSON_DEPTH) + "}", f"more than {MAX_JSON_DEPTH} levels deep"),
 }
@@ -147,6 +150,17 @@ def test_unparsable_json_is_400_naming_the_problem(path, case):
     assert problem in payload["error"]["message"]
     if case.startswith("lone"):
         assert payload["error"]["param"] == PARAM_OF[path]
+    assert engine.requests == []
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "presence_penalty", "frequency_penalty"])
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_a_number_past_the_float_range_is_400_naming_the_field(path, field):
+    body = ROUTE_BODIES[path].replace("PLACE", '"Hi"')[:-1] + f', "{field}": 1{"0" * 400}}}'
+    status, payload, engine = _post_raw(path, body.encode())
+    assert status == 400, payload
+    validate(payload, "ErrorResponse")
+    assert payload["error"]["param"] == field
     assert engine.requests == []
 
 
