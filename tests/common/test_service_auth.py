@@ -193,13 +193,21 @@ async def echo_server(auth: ServiceAuthConfig):
         await server.stop(0)
 
 
-async def _requests():
+async def _send_requests():
     for part in (b"a", b"b"):
         yield part
 
 
-async def call_every_kind(channel: grpc.aio.Channel) -> dict[str, object]:
-    """Each method's answer, or the status code it was refused with."""
+async def _no_requests():
+    return
+    yield
+
+
+async def call_every_kind(channel: grpc.aio.Channel, expect_refusal: bool = False) -> dict[str, object]:
+    """Each method's answer, or the status code it was refused with. `expect_refusal`: the streaming
+    kinds send no request message (the refusal comes at the call's start; a write racing the server's
+    abort would end the call INTERNAL on the client's side instead)."""
+    _requests = _no_requests if expect_refusal else _send_requests
     calls = {
         "UnaryUnary": lambda: channel.unary_unary("/test.Echo/UnaryUnary")(b"x", timeout=10),
         "UnaryStream": lambda: _collect(channel.unary_stream("/test.Echo/UnaryStream")(b"x", timeout=10)),
@@ -235,11 +243,13 @@ def test_a_server_with_a_token_refuses_every_call_kind_without_it_and_serves_hea
             results = {}
             for label, token in (("none", None), ("wrong", OTHER_TOKEN), ("right", TOKEN)):
                 async with open_channel(address, ServiceAuthConfig(client_token=token), []) as channel:
-                    results[label] = await call_every_kind(channel)
+                    results[label] = await call_every_kind(channel, expect_refusal=token != TOKEN)
                     assert await _health(channel) == health_pb2.HealthCheckResponse.SERVING, label
             async with open_channel(address, ServiceAuthConfig(), []) as channel:
+                # No request message: the refusal comes at the call's start, and a write racing the
+                # server's abort would end the call INTERNAL on the client's side instead.
                 reflection = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
-                    iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+                    iter([]), timeout=10)
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
                     await _collect(reflection)
                 assert refused.value.code() == UNAUTHENTICATED

@@ -63,7 +63,7 @@ def test_only_a_certified_client_of_an_admitted_identity_gets_through(pki):
                 results["scheduler"] = await call_every_kind(channel)
                 results["scheduler health"] = await _health(channel)
             async with open_channel(address, _config(pki["frontend"]), []) as channel:
-                results["frontend"] = await call_every_kind(channel)
+                results["frontend"] = await call_every_kind(channel, expect_refusal=True)
                 results["frontend health"] = await _health(channel)
             # TLS that trusts the server but presents no certificate: the handshake fails.
             no_cert = grpc.ssl_channel_credentials(root_certificates=pki["ca"].ca_path.read_bytes())
