@@ -14,13 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.common.messages import SamplingParams
+from services.common.sampling_limits import MAX_LOGPROBS, MAX_N, sampling_params_violation
 from services.frontend.errors import invalid_request
 from services.frontend.unsupported import refuse_unsupported_chat_fields, refuse_unsupported_completion_fields
 
 CHAT_ROLES = {"system", "developer", "user", "assistant"}
-MAX_SEED = 2**63 - 1
-MAX_N = 128  # OpenAI's limit on choices per request
-MAX_LOGPROBS = 20  # alternatives per token: OpenAI's chat limit (completions: 5, vLLM allows 20)
 
 
 @dataclass(frozen=True)
@@ -74,22 +72,13 @@ def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
 
 
 def check_sampling_params(p: SamplingParams) -> None:
-    """Range checks shared by the HTTP and gRPC faces (max_tokens is checked against the prompt later)."""
+    """Range checks shared by the HTTP and gRPC faces (max_tokens is checked against the prompt later);
+    the ranges are the engine's too (services/common/sampling_limits.py)."""
     _check(1 <= p.n <= MAX_N, "n", f"n must be in [1, {MAX_N}].")
-    _check(0.0 <= p.temperature <= 2.0, "temperature", "temperature must be in [0, 2].")
-    _check(0.0 < p.top_p <= 1.0, "top_p", "top_p must be in (0, 1].")
-    _check(p.top_k >= 0, "top_k", "top_k must be >= 0 (0 or -1 disables it).")
-    _check(0.0 <= p.min_p <= 1.0, "min_p", "min_p must be in [0, 1].")
-    _check(-2.0 <= p.presence_penalty <= 2.0, "presence_penalty", "presence_penalty must be in [-2, 2].")
-    _check(-2.0 <= p.frequency_penalty <= 2.0, "frequency_penalty", "frequency_penalty must be in [-2, 2].")
-    _check(p.repetition_penalty > 0.0, "repetition_penalty", "repetition_penalty must be > 0.")
-    _check(p.min_tokens >= 0, "min_tokens", "min_tokens must be >= 0.")
-    _check(p.seed is None or -MAX_SEED - 1 <= p.seed <= MAX_SEED, "seed", "seed must fit in 64 bits.")
-    for token_id, bias in p.logit_bias.items():
-        _check(-100.0 <= bias <= 100.0, "logit_bias", f"logit_bias[{token_id}] must be in [-100, 100].")
-    _check(p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS, "logprobs",
-           f"logprobs must be in [0, {MAX_LOGPROBS}].")
-    _check(p.prompt_logprobs is None, "prompt_logprobs", "prompt_logprobs are not supported yet.")
+    violation = sampling_params_violation(p)
+    if violation is not None:
+        param, message = violation
+        raise invalid_request(message, param=param)
 
 
 # --- messages and prompts ------------------------------------------------------------------------

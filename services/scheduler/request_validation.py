@@ -3,23 +3,18 @@ frontend would have sent (one from a client connected straight to `EngineCoreSer
 frontend with a bug) is refused alone and never reaches the worker, where a token id outside the
 vocabulary or a NaN knob would fail a whole step.
 
-The sampling ranges are the frontend's (services/frontend/protocol.py `check_sampling_params`), so
-the internal API serves nothing the public ones would refuse; the lengths and token ids are checked
-against what the worker reported (`KVCacheSpec`).
+The sampling ranges are the public APIs' (services/common/sampling_limits.py), so the internal API
+serves nothing the public ones would refuse; the lengths and token ids are checked against what the
+worker reported (`KVCacheSpec`).
 """
 from __future__ import annotations
 
 import math
 
 from services.common.messages import SamplingParams
+from services.common.sampling_limits import sampling_params_violation
 from services.scheduler.request import Request
 
-# As the frontend's limits (services/frontend/protocol.py): the same request is refused at either door.
-MAX_LOGPROBS = 20
-MAX_ABS_PENALTY = 2.0
-MAX_ABS_LOGIT_BIAS = 100.0
-MAX_TEMPERATURE = 2.0
-MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
 # Ids are routing keys held for the request's life: a frontend makes ~40 characters; past this is abuse.
 MAX_REQUEST_ID_CHARS = 1024
 
@@ -51,34 +46,19 @@ def validate_request(request: Request, max_model_len: int, vocab_size: int | Non
 
 
 def check_sampling_params(p: SamplingParams, vocab_size: int | None) -> None:
-    """The knobs' ranges; comparisons are written so that NaN fails every one of them."""
+    """The public APIs' ranges, and what only the engine can check: one sequence per request, the
+    lengths against each other, token ids against the vocabulary."""
     # The frontend turns n choices into n engine requests: the engine itself samples one sequence.
     _check(p.n == 1, f"n must be 1 (a frontend sends one engine request per choice), got {p.n}")
-    _check(0.0 <= p.temperature <= MAX_TEMPERATURE,
-           f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {p.temperature}")
-    _check(0.0 < p.top_p <= 1.0, f"top_p must be in (0, 1], got {p.top_p}")
-    _check(p.top_k >= 0, f"top_k must be >= 0 (0 disables it), got {p.top_k}")
-    _check(0.0 <= p.min_p <= 1.0, f"min_p must be in [0, 1], got {p.min_p}")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(p, name)
-        _check(-MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY,
-               f"{name} must be in [-{MAX_ABS_PENALTY:g}, {MAX_ABS_PENALTY:g}], got {value}")
-    _check(0.0 < p.repetition_penalty < math.inf,
-           f"repetition_penalty must be a finite number > 0, got {p.repetition_penalty}")
+    violation = sampling_params_violation(p)
+    if violation is not None:
+        raise RequestRejected(violation[1])
     _check(p.max_tokens >= 0, f"max_tokens must be >= 0 (0: up to the maximum length), got {p.max_tokens}")
-    _check(p.min_tokens >= 0, f"min_tokens must be >= 0, got {p.min_tokens}")
     _check(not p.max_tokens or p.min_tokens <= p.max_tokens,
            f"min_tokens ({p.min_tokens}) exceeds max_tokens ({p.max_tokens})")
-    _check(p.seed is None or MIN_SEED <= p.seed <= MAX_SEED, f"seed must fit in 64 bits, got {p.seed}")
-    _check(p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS,
-           f"logprobs must be in [0, {MAX_LOGPROBS}], got {p.logprobs}")
-    _check(p.prompt_logprobs is None, "prompt_logprobs are not supported")
     _check_token_ids(p.stop_token_ids, "stop_token_ids", vocab_size)
     if p.logit_bias:
         _check_token_ids(list(p.logit_bias), "logit_bias", vocab_size)
-        for token_id, bias in p.logit_bias.items():
-            _check(-MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS,
-                   f"logit_bias[{token_id}] must be in [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}], got {bias}")
 
 
 def _check_token_ids(token_ids, what: str, vocab_size: int | None) -> None:
