@@ -93,7 +93,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         serving.check_model(request.model or None)
         serving.check_ready()  # max_model_len comes from the engine
         add_special_tokens = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        token_ids = await serving.async_tokenizer.encode(request.text, add_special_tokens=add_special_tokens)
+        token_ids = await serving.async_tokenizer.encode_prompt(request.text, add_special_tokens=add_special_tokens)
         return generate_pb2.TokenizeResponse(
             token_ids=token_ids, tokens=await serving.async_tokenizer.convert_ids_to_tokens(token_ids),
             max_model_len=serving.max_model_len)

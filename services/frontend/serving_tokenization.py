@@ -30,7 +30,7 @@ class OpenAIServingTokenization(OpenAIServing):
             if not isinstance(prompt, str):
                 raise invalid_request("Give 'prompt' (a string) or 'messages'.", param="prompt")
             add_special_tokens = _flag(body, "add_special_tokens", True)
-            token_ids = await self.async_tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            token_ids = await self.async_tokenizer.encode_prompt(prompt, add_special_tokens=add_special_tokens)
         response: dict[str, Any] = {"count": len(token_ids), "max_model_len": self.max_model_len,
                                     "tokens": token_ids}
         if _flag(body, "return_token_strs", False):

@@ -43,9 +43,10 @@ def render_chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[i
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def encode_prompt(tokenizer: Any, text: str) -> list[int]:
-    """Tokenizes a raw completion prompt, with the special tokens the model expects (e.g. BOS)."""
-    return list(tokenizer.encode(text, add_special_tokens=True))
+def encode_prompt(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
+    """Tokenizes a raw completion prompt, with the special tokens the model expects (e.g. BOS)
+    unless told otherwise (`/tokenize`)."""
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
 class AsyncTokenizer:
@@ -72,11 +73,8 @@ class AsyncTokenizer:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return await self.run(len(text) > MAX_INLINE_CHARS, _encode, self.tokenizer, text, add_special_tokens)
-
-    async def encode_prompt(self, text: str) -> list[int]:
-        return await self.run(len(text) > MAX_INLINE_CHARS, encode_prompt, self.tokenizer, text)
+    async def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await self.run(len(text) > MAX_INLINE_CHARS, encode_prompt, self.tokenizer, text, add_special_tokens)
 
     async def render_chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         num_chars = sum(len(m["content"]) for m in messages)
@@ -92,7 +90,3 @@ class AsyncTokenizer:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
-
-
-def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
-    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
