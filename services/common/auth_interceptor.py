@@ -9,19 +9,18 @@ certificate whose identity this server does not admit) before the service's code
 """
 from __future__ import annotations
 
-import hashlib
-import hmac
 import inspect
 import logging
 from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence
 
 import grpc
 
-from services.common.service_auth import AUTHORIZATION_KEY, ServiceAuthConfig
+from services.common.bearer import GRPC_HEALTH_PREFIX, digests_equal, metadata_authorization, parse_bearer, token_digest
+from services.common.service_auth import ServiceAuthConfig
 
 logger = logging.getLogger(__name__)
 
-EXEMPT_METHOD_PREFIX = "/grpc.health.v1.Health/"
+EXEMPT_METHOD_PREFIX = GRPC_HEALTH_PREFIX
 # Where gRPC's auth context puts a verified peer certificate's SAN DNS names and subject CN (IP
 # and URI SANs are not identities here). Neither present: no identity, the call is refused.
 IDENTITY_PROPERTIES = ("peer_dns", "x509_common_name")
@@ -51,22 +50,12 @@ def check_call(config: ServiceAuthConfig, metadata: Iterable[tuple[str, Any]] | 
 
 def tokens_equal(presented: str, expected: str) -> bool:
     """Constant time, and the digests hide even the expected token's length."""
-    return hmac.compare_digest(hashlib.sha256(presented.encode()).digest(),
-                               hashlib.sha256(expected.encode()).digest())
+    return digests_equal(token_digest(presented), token_digest(expected))
 
 
 def bearer_token(metadata: Iterable[tuple[str, Any]]) -> str | None:
     """The token of the first `authorization` entry if it is `Bearer <token>` (scheme in any case)."""
-    for key, value in metadata:
-        if key.lower() != AUTHORIZATION_KEY:
-            continue
-        if isinstance(value, bytes):
-            value = value.decode("utf-8", "replace")
-        scheme, _, token = value.partition(" ")
-        if scheme.lower() != "bearer":
-            return None
-        return token.strip() or None
-    return None
+    return parse_bearer(metadata_authorization(metadata))
 
 
 def peer_identities(auth_context: Mapping[str, Sequence[bytes]]) -> set[str]:

@@ -24,11 +24,11 @@ from typing import Any, Sequence
 
 import grpc
 
+from services.common.bearer import AUTHORIZATION_KEY
 from services.common.flags import add_flag
 
 # Below this a token is guessable; `openssl rand -hex 32` gives 64 characters.
 MIN_TOKEN_CHARS = 16
-AUTHORIZATION_KEY = "authorization"
 BEARER_PREFIX = "Bearer "
 # Default identities, the Kubernetes Service names the certificates carry (k8s/cert-manager/).
 FRONTEND_IDENTITY = "spindle-frontend"

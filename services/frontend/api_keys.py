@@ -11,18 +11,17 @@ keys are on (never the key, nor anything derived from it), otherwise the caller'
 """
 from __future__ import annotations
 
-import hashlib
-import hmac
-from typing import Any, Awaitable, Callable, Iterable, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 import grpc
 from aiohttp import web
 
+from services.common.bearer import GRPC_HEALTH_PREFIX, digests_equal, metadata_authorization, token_digest
+from services.common.bearer import parse_bearer as bearer_token
 from services.frontend.errors import APIError, error_response
 
 HEALTH_PATH = "/health"
 METRICS_PATH = "/metrics"
-GRPC_HEALTH_PREFIX = "/grpc.health.v1.Health/"
 MISSING_KEY = "Missing API key: send it as 'Authorization: Bearer YOUR_KEY'."
 WRONG_KEY = "Incorrect API key provided."
 
@@ -33,13 +32,13 @@ class ApiKeys:
     def __init__(self, keys: Sequence[str] = ()):
         # Compared as SHA-256 digests: all one length, so the comparison's time tells nothing of a
         # key's length, and the keys themselves are not kept.
-        self._digests = tuple(_digest(key) for key in dict.fromkeys(keys))
+        self._digests = tuple(token_digest(key) for key in dict.fromkeys(keys))
 
     @property
     def is_enabled(self) -> bool:
         return bool(self._digests)
 
-    def identity(self, authorization: str | None) -> str | None:
+    def identity(self, authorization: str | bytes | None) -> str | None:
         """`api-key-<i>` when `authorization` is `Bearer <the i-th key>`, else None.
 
         Every key is compared, each in constant time, so the time taken does not say which matched.
@@ -47,29 +46,16 @@ class ApiKeys:
         token = bearer_token(authorization)
         if token is None:
             return None
-        digest = _digest(token)
+        digest = token_digest(token)
         matched = None
         for i, key_digest in enumerate(self._digests):
-            if hmac.compare_digest(digest, key_digest) and matched is None:
+            if digests_equal(digest, key_digest) and matched is None:
                 matched = i
         return None if matched is None else f"api-key-{matched}"
 
-    def refusal(self, authorization: str | None) -> str:
+    def refusal(self, authorization: str | bytes | None) -> str:
         """Why a request with this header is refused (never quoting what it sent)."""
         return MISSING_KEY if bearer_token(authorization) is None else WRONG_KEY
-
-
-def bearer_token(authorization: str | None) -> str | None:
-    """The token of `Bearer <token>` (the scheme is case-insensitive, RFC 7235), else None."""
-    if not authorization:
-        return None
-    scheme, _, token = authorization.strip().partition(" ")
-    token = token.strip()
-    return token if scheme.lower() == "bearer" and token else None
-
-
-def _digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
 
 
 # --- HTTP ----------------------------------------------------------------------------------------
@@ -93,17 +79,10 @@ def api_key_middleware(keys: ApiKeys, protect_metrics: bool) -> Callable[..., Aw
 
 
 # --- gRPC ----------------------------------------------------------------------------------------
-def grpc_authorization(metadata: Iterable[Any] | None) -> str | None:
-    for key, value in metadata or ():
-        if key == "authorization" and isinstance(value, str):
-            return value
-    return None
-
-
 def caller_identity(keys: ApiKeys, context: grpc.aio.ServicerContext) -> str:
     """Who is calling: its key's identity when keys are on, else its connection (`peer:<address>`)."""
     if keys.is_enabled:
-        identity = keys.identity(grpc_authorization(context.invocation_metadata()))
+        identity = keys.identity(metadata_authorization(context.invocation_metadata()))
         if identity is not None:
             return identity
     return f"peer:{context.peer()}"
@@ -117,7 +96,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]],
                                 handler_call_details: grpc.HandlerCallDetails) -> Any:
-        authorization = grpc_authorization(handler_call_details.invocation_metadata)
+        authorization = metadata_authorization(handler_call_details.invocation_metadata)
         if (not self._keys.is_enabled or handler_call_details.method.startswith(GRPC_HEALTH_PREFIX)
                 or self._keys.identity(authorization) is not None):
             return await continuation(handler_call_details)

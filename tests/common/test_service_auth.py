@@ -9,9 +9,9 @@ import contextlib
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2_grpc
 
-from services.common import auth_interceptor
+from services.common import bearer
 from services.common.auth_interceptor import bearer_token, check_call, peer_identities, tokens_equal
 from services.common.grpc_server import GrpcServer
 from services.common.service_auth import (
@@ -60,8 +60,8 @@ def test_refusals_never_carry_the_token():
 
 def test_tokens_compare_by_digest_in_constant_time(monkeypatch):
     calls = []
-    real = auth_interceptor.hmac.compare_digest
-    monkeypatch.setattr(auth_interceptor.hmac, "compare_digest", lambda a, b: calls.append((a, b)) or real(a, b))
+    real = bearer.hmac.compare_digest
+    monkeypatch.setattr(bearer.hmac, "compare_digest", lambda a, b: calls.append((a, b)) or real(a, b))
     assert tokens_equal(TOKEN, TOKEN) and not tokens_equal(TOKEN, TOKEN + "x")
     # Equal-length digests: the comparison time says nothing about the expected token's length.
     assert len(calls) == 2 and all(len(a) == len(b) == 32 for a, b in calls)
