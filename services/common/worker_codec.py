@@ -36,6 +36,8 @@ from services.common.codec import (
     one_each_or_counts,
     split_column,
     split_one_each_or_counts,
+    structured_outputs_from_pb,
+    structured_outputs_to_pb,
     token_logprobs_from_pb,
     token_logprobs_to_pb,
 )
@@ -103,6 +105,7 @@ def _encode_step(step: messages.SchedulerOutput, last: _LastStep | None
         finished_req_ids=sorted(step.finished_req_ids),
         preempted_req_ids=sorted(step.preempted_req_ids),
         step_id=step.step_id,
+        grammars_to_compile=[structured_outputs_to_pb(p) for p in step.grammars_to_compile.values()],
     )
     num_computed = [r.num_computed_tokens for r in new_reqs] + cached.num_computed_tokens if new_reqs \
         else cached.num_computed_tokens
@@ -166,6 +169,7 @@ def _decode_step(msg: w_pb.SchedulerOutput, last: _LastStep | None) -> tuple[mes
         finished_req_ids=set(msg.finished_req_ids),
         preempted_req_ids=set(msg.preempted_req_ids),
         step_id=msg.step_id,
+        grammars_to_compile={p.key: p for p in map(structured_outputs_from_pb, msg.grammars_to_compile)},
     )
     if new_reqs:
         num_computed = [r.num_computed_tokens for r in new_reqs] + num_computed
@@ -200,6 +204,11 @@ def model_runner_output_to_pb(output: messages.ModelRunnerOutput, scheduled: lis
     if output.failed_reqs:
         msg.failed_req_ids.extend(output.failed_reqs)
         msg.failure_messages.extend(output.failed_reqs.values())
+    if output.compiled_grammar_keys:
+        msg.compiled_grammar_keys.extend(output.compiled_grammar_keys)
+    if output.failed_grammars:
+        msg.failed_grammar_keys.extend(output.failed_grammars)
+        msg.grammar_failure_messages.extend(output.failed_grammars.values())
     logprobs = output.logprobs
     if logprobs.count(None) != len(logprobs):
         indices = [i for i, lp in enumerate(logprobs) if lp is not None]
@@ -229,6 +238,9 @@ def model_runner_output_from_pb(msg: w_pb.ModelRunnerOutput, scheduled: list[str
         sample_ns=msg.sample_ns,
         step_id=msg.step_id,
         failed_reqs=dict(zip(msg.failed_req_ids, msg.failure_messages, strict=True)) if msg.failed_req_ids else {},
+        compiled_grammar_keys=list(msg.compiled_grammar_keys),
+        failed_grammars=dict(zip(msg.failed_grammar_keys, msg.grammar_failure_messages, strict=True))
+        if msg.failed_grammar_keys else {},
     )
 
 

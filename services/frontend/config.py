@@ -30,6 +30,10 @@ class FrontendConfig:
     max_model_len: int | None = None
     shutdown_timeout_s: float = 30.0
     log_level: str = "INFO"
+    # A Jinja chat template file to use instead of the model's own; None: the model's.
+    chat_template: str | None = None
+    # Parses `tool_choice: auto` output into tool calls: "hermes" or "llama3_json".
+    tool_call_parser: str = "hermes"
     # The OTLP traces endpoint; metrics are served on the HTTP port (/metrics), so no metrics port.
     telemetry: TelemetryConfig = TelemetryConfig()
     # The public ports' guards: API keys, /metrics behind them or not, request size limits.
@@ -61,6 +65,8 @@ class FrontendConfig:
             max_model_len=ns.max_model_len or None,
             shutdown_timeout_s=ns.shutdown_timeout,
             log_level=ns.log_level,
+            chat_template=ns.chat_template or None,
+            tool_call_parser=ns.tool_call_parser,
             telemetry=telemetry_config_from_args(ns),
             edge=edge_config_from_args(ns),
             scheduler_auth=service_auth_config_from_args(ns),
@@ -84,6 +90,10 @@ def add_frontend_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--served-model-name", default=None, help="model name clients send (default: the model's)")
     add_flag(parser, "--cache-dir", default=None, help="cache folder for converted models")
     add_flag(parser, "--max-model-len", type=int, default=None, help="lower the engine's context length")
+    add_flag(parser, "--chat-template", default=None,
+             help="Jinja chat template file used instead of the model's own (tools reach it as `tools`)")
+    add_flag(parser, "--tool-call-parser", default="hermes",
+             help="parser of tool calls in tool_choice=auto output: hermes or llama3_json")
     add_telemetry_flags(parser)
     add_edge_flags(parser)
     add_service_auth_flags(parser, sends_token_to="scheduler")

@@ -7,9 +7,13 @@ bodies: every refusal is a 400 naming the field.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from services.common import messages
 from services.common.pb import generate_pb2 as pb
+from services.common.structured_outputs import StructuredOutputsParams
 from services.frontend.errors import invalid_request
+from services.frontend.structured_outputs import parse_constraint
 from services.frontend.protocol import CompletionRequest, GenerationOptions, check_sampling_params
 from services.frontend.serving_engine import TextDelta
 
@@ -62,8 +66,23 @@ def generate_request_from_pb(msg: pb.GenerateRequest) -> CompletionRequest:
     return CompletionRequest(prompt=prompt, options=options)
 
 
+def _constraint_from_pb(msg: pb.GenerateRequest) -> tuple[StructuredOutputsParams, str] | None:
+    """Read as the HTTP API reads `structured_outputs`, so both refuse the same things alike."""
+    if not msg.HasField("structured_outputs"):
+        return None
+    so = msg.structured_outputs
+    kind = so.WhichOneof("constraint")
+    if kind is None:
+        raise invalid_request("Set one constraint in 'structured_outputs'.", param="structured_outputs")
+    value = list(so.choice.choices) if kind == "choice" else getattr(so, kind)
+    return parse_constraint({"structured_outputs": {kind: value, "disable_any_whitespace": not so.any_whitespace}})
+
+
 def _options_from_pb(msg: pb.GenerateRequest) -> GenerationOptions:
     params = sampling_params_from_pb(msg.sampling_params)  # unset reads as all zeros: every default
+    constraint = _constraint_from_pb(msg)
+    if constraint is not None:
+        params = dataclasses.replace(params, structured_outputs=constraint[0])
     check_sampling_params(params)
     if params.max_tokens < 0:
         raise invalid_request("'max_tokens' must be >= 0 (0: as many as fit).", param="max_tokens")
@@ -78,6 +97,7 @@ def _options_from_pb(msg: pb.GenerateRequest) -> GenerationOptions:
         stop=stop,
         include_stop_str_in_output=msg.include_stop_str_in_output,
         priority=msg.priority,
+        constraint_param=constraint[1] if constraint is not None else "",
     )
 
 

@@ -122,6 +122,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         options = generate.options
         serving.check_model(options.model)
         serving.check_ready()
+        await serving.check_constraint(options)
         if isinstance(generate.prompt, str):
             prompt_token_ids = await serving.async_tokenizer.encode_prompt(generate.prompt)
         else:

@@ -1,8 +1,8 @@
 """Validates OpenAI request bodies (chat and completions) into typed requests.
 
-Every refusal is a 400 `invalid_request_error` whose `param` names the offending field. Fields that
-would change the result but are not implemented (tools, structured output, ...; see unsupported.py)
-are refused rather than silently ignored; fields that only annotate a request (`user`, `metadata`,
+Every refusal is a 400 `invalid_request_error` whose `param` names the offending field. Output
+constraints are read by structured_outputs.py, tools by tool_choice.py. Fields that would change
+the result but are not implemented (see unsupported.py) are refused rather than silently ignored; fields that only annotate a request (`user`, `metadata`,
 `store`, ...) and unknown fields are accepted. vLLM's extra sampling fields (`top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`, `priority`, ...) are accepted at
 the top level.
@@ -15,10 +15,13 @@ from typing import Any
 
 from services.common.messages import SamplingParams
 from services.common.sampling_limits import MAX_LOGPROBS, MAX_N, sampling_params_violation
+from services.common.structured_outputs import StructuredOutputsParams
 from services.frontend.errors import invalid_request
+from services.frontend.structured_outputs import parse_constraint
+from services.frontend.tool_choice import ToolChoice, parse_tool_choice
 from services.frontend.unsupported import refuse_unsupported_chat_fields, refuse_unsupported_completion_fields
 
-CHAT_ROLES = {"system", "developer", "user", "assistant"}
+CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,8 @@ class GenerationOptions:
     return_token_ids: bool = False
     # Completions only: the prompt text comes first in each choice's text.
     echo: bool = False
+    # The field the output constraint (sampling_params.structured_outputs) came from, for errors.
+    constraint_param: str = ""
 
     @property
     def n(self) -> int:
@@ -51,8 +56,10 @@ class GenerationOptions:
 
 @dataclass(frozen=True)
 class ChatCompletionRequest:
-    messages: list[dict[str, str]]  # role and plain-text content, ready for the chat template
+    # Role and plain-text content (assistant tool_calls, a tool message's tool_call_id), as sent.
+    messages: list[dict[str, Any]]
     options: GenerationOptions
+    tool_choice: ToolChoice | None = None  # None: the request has no tools
 
 
 @dataclass(frozen=True)
@@ -63,7 +70,10 @@ class CompletionRequest:
 
 def parse_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
     refuse_unsupported_chat_fields(body)
-    return ChatCompletionRequest(messages=_parse_messages(body.get("messages")), options=_parse_options(body, True))
+    messages = _parse_messages(body.get("messages"))
+    tool_choice = parse_tool_choice(body)
+    forced = tool_choice.forced_constraint() if tool_choice is not None and tool_choice.is_forced else None
+    return ChatCompletionRequest(messages=messages, options=_parse_options(body, True, forced), tool_choice=tool_choice)
 
 
 def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
@@ -82,21 +92,22 @@ def check_sampling_params(p: SamplingParams) -> None:
 
 
 # --- messages and prompts ------------------------------------------------------------------------
-def _parse_messages(messages: Any) -> list[dict[str, str]]:
+def _parse_messages(messages: Any) -> list[dict[str, Any]]:
     _check(messages is not None, "messages", "Missing required parameter: 'messages'.")
     _check(isinstance(messages, list), "messages", "'messages' must be an array.")
     _check(len(messages) > 0, "messages", "'messages' must contain at least one message.")
     return [_parse_message(i, message) for i, message in enumerate(messages)]
 
 
-def _parse_message(i: int, message: Any) -> dict[str, str]:
+def _parse_message(i: int, message: Any) -> dict[str, Any]:
     where = f"messages[{i}]"
     _check(isinstance(message, dict), where, f"'{where}' must be an object.")
     role = message.get("role")
     _check(isinstance(role, str), f"{where}.role", f"Missing or invalid '{where}.role'.")
     _check(role in CHAT_ROLES, f"{where}.role",
            f"Invalid role {role!r} in '{where}.role'; supported: {', '.join(sorted(CHAT_ROLES))}.")
-    _check(not message.get("tool_calls"), f"{where}.tool_calls", "Tool calls are not supported.")
+    tool_calls = message.get("tool_calls")
+    _check(not tool_calls or role == "assistant", f"{where}.tool_calls", "Only assistant messages carry tool_calls.")
     content = message.get("content")
     if content is None:
         _check(role == "assistant", f"{where}.content", f"Missing '{where}.content'.")
@@ -106,7 +117,31 @@ def _parse_message(i: int, message: Any) -> dict[str, str]:
     else:
         _check(isinstance(content, str), f"{where}.content", f"'{where}.content' must be a string or array.")
     # Chat templates know "system"; "developer" is its newer name.
-    return {"role": "system" if role == "developer" else role, "content": content}
+    parsed: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
+    if tool_calls:
+        parsed["tool_calls"] = _parse_tool_calls(where, tool_calls)
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        _check(isinstance(call_id, str) and call_id, f"{where}.tool_call_id", f"Missing '{where}.tool_call_id'.")
+        parsed["tool_call_id"] = call_id
+    return parsed
+
+
+def _parse_tool_calls(where: str, tool_calls: Any) -> list[dict[str, Any]]:
+    _check(isinstance(tool_calls, list), f"{where}.tool_calls", f"'{where}.tool_calls' must be an array.")
+    calls = []
+    for j, call in enumerate(tool_calls):
+        at = f"{where}.tool_calls[{j}]"
+        _check(isinstance(call, dict) and isinstance(call.get("function"), dict), at,
+               f"'{at}' must be an object with 'function'.")
+        function = call["function"]
+        _check(isinstance(function.get("name"), str) and function["name"], f"{at}.function.name",
+               f"Missing '{at}.function.name'.")
+        _check(isinstance(function.get("arguments"), str), f"{at}.function.arguments",
+               f"'{at}.function.arguments' must be a JSON string.")
+        calls.append({"id": str(call.get("id") or f"call_{j}"), "type": "function",
+                      "function": {"name": function["name"], "arguments": function["arguments"]}})
+    return calls
 
 
 def _join_text_parts(where: str, parts: list[Any]) -> str:
@@ -135,7 +170,8 @@ def _parse_prompt(prompt: Any) -> str | list[int]:
 
 
 # --- sampling options ----------------------------------------------------------------------------
-def _parse_options(body: dict[str, Any], is_chat: bool) -> GenerationOptions:
+def _parse_options(body: dict[str, Any], is_chat: bool,
+                   forced_tools: StructuredOutputsParams | None = None) -> GenerationOptions:
     model = body.get("model")
     _check(model is None or isinstance(model, str), "model", "'model' must be a string.")
     n = _integer(body, "n", 1)
@@ -163,6 +199,12 @@ def _parse_options(body: dict[str, Any], is_chat: bool) -> GenerationOptions:
     echo = False if is_chat else _boolean(body, "echo", False)
     # With echo, logprobs would cover the prompt too, which needs prompt logprobs from the engine.
     _check(not (echo and logprobs is not None), "echo", "echo together with logprobs is not supported yet.")
+    constraint = parse_constraint(body)
+    if forced_tools is not None:
+        _check(constraint is None, "tool_choice",
+               "A forced tool_choice ('required' or a named function) constrains the output already; "
+               "drop 'response_format' / 'structured_outputs'.")
+        constraint = (forced_tools, "tools")
 
     params = SamplingParams(
         n=n,
@@ -180,6 +222,7 @@ def _parse_options(body: dict[str, Any], is_chat: bool) -> GenerationOptions:
         stop_token_ids=tuple(_token_ids(body, "stop_token_ids")),
         ignore_eos=_boolean(body, "ignore_eos", False),
         logprobs=logprobs,
+        structured_outputs=constraint[0] if constraint is not None else None,
     )
     check_sampling_params(params)
     return GenerationOptions(
@@ -195,6 +238,7 @@ def _parse_options(body: dict[str, Any], is_chat: bool) -> GenerationOptions:
         priority=_integer(body, "priority", 0),
         return_token_ids=_boolean(body, "return_token_ids", False),
         echo=echo,
+        constraint_param=constraint[1] if constraint is not None else "",
     )
 
 

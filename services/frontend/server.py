@@ -133,6 +133,8 @@ def _load_model(config: FrontendConfig) -> ServingModel:
         tokenizer=tokenizer,
         eos_token_ids=eos_token_ids(resolved.path, tokenizer.eos_token_id),
         max_model_len=config.max_model_len,
+        chat_template_path=config.chat_template,
+        tool_call_parser=config.tool_call_parser,
     )
 
 

@@ -2,7 +2,8 @@
 
 `n` choices run as n engine requests at once; a stream interleaves their chunks, each tagged with
 its choice's `index`. With `logprobs: true`, every chunk (or the full choice) carries the logprobs
-of the tokens it covers.
+of the tokens it covers. With tools, each choice's text is read for tool calls (tool_outputs.py):
+`message.tool_calls` in a full response, `delta.tool_calls` pieces in a stream.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from services.frontend.json_body import parse_json_body
 from services.frontend.protocol import ChatCompletionRequest, parse_chat_request
 from services.frontend.serving_engine import Choice, OpenAIServing, TextDelta, add_token_ids, choices_usage
 from services.frontend.sse import write_sse
+from services.frontend.tool_outputs import ChoiceToolOutput, finish_reason_with_tools
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -24,7 +26,10 @@ class OpenAIServingChat(OpenAIServing):
         request = parse_chat_request(parse_json_body(await http_request.read()))
         self.check_model(request.options.model)
         self.check_ready()
-        prompt_token_ids = await self.async_tokenizer.render_chat_prompt(request.messages)
+        await self.check_constraint(request.options)
+        tool_choice = request.tool_choice
+        tools = list(tool_choice.tools) if tool_choice is not None and tool_choice.renders_tools else None
+        prompt_token_ids = await self.async_tokenizer.render_chat_prompt(request.messages, tools)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         choices = self.make_choices(request_id, prompt_token_ids, request.options, "messages")
         with self.state.track():
@@ -51,17 +56,18 @@ class OpenAIServingChat(OpenAIServing):
                 if part is not None:
                     logprobs[index].extend(part["content"])
         wants_logprobs = request.options.sampling_params.logprobs is not None
+        out = []
+        for i, choice in enumerate(choices):
+            tools = ChoiceToolOutput(request.tool_choice, self.model.tool_call_parser)
+            message, finish_reason = tools.message("".join(texts[i]), choice.finish_reason)
+            out.append({"index": i, "message": message, "finish_reason": finish_reason,
+                        "logprobs": {"content": logprobs[i], "refusal": None} if wants_logprobs else None})
         return {
             "id": request_id,
             "object": "chat.completion",
             "created": int(choices[0].engine_request.arrival_time),
             "model": self.model.name,
-            "choices": [{
-                "index": i,
-                "message": {"role": "assistant", "content": "".join(texts[i]), "refusal": None},
-                "logprobs": {"content": logprobs[i], "refusal": None} if wants_logprobs else None,
-                "finish_reason": choice.finish_reason,
-            } for i, choice in enumerate(choices)],
+            "choices": out,
             "usage": choices_usage(choices),
         }
 
@@ -72,6 +78,7 @@ class OpenAIServingChat(OpenAIServing):
         then, if asked, one usage chunk for the whole request."""
         created = int(choices[0].engine_request.arrival_time)
         has_started = [False] * len(choices)
+        tools = [ChoiceToolOutput(request.tool_choice, self.model.tool_call_parser) for _ in choices]
 
         def chunk(index: int, delta: dict[str, Any], finish_reason: str | None,
                   logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -89,8 +96,14 @@ class OpenAIServingChat(OpenAIServing):
                     yield chunk(index, {"role": "assistant", "content": ""}, None)
                     has_started[index] = True
                 logprobs = self._logprobs(request, delta)
-                if delta.text or delta.finish_reason or (logprobs and logprobs["content"]):
-                    yield chunk(index, {"content": delta.text} if delta.text else {}, delta.finish_reason, logprobs)
+                is_last = delta.finish_reason is not None
+                pieces = tools[index].feed(delta.text, is_last)
+                finish_reason = finish_reason_with_tools(delta.finish_reason, tools[index].has_called_tools)
+                if not pieces and (is_last or (logprobs and logprobs["content"])):
+                    pieces = [{}]
+                for j, piece in enumerate(pieces):  # logprobs ride on the first, the finish on the last
+                    yield chunk(index, piece, finish_reason if j == len(pieces) - 1 else None,
+                                logprobs if j == 0 else None)
         if request.options.include_usage:
             yield {
                 "id": request_id,

@@ -27,6 +27,7 @@ class OpenAIServingCompletion(OpenAIServing):
         request = parse_completion_request(parse_json_body(await http_request.read()))
         self.check_model(request.options.model)
         self.check_ready()
+        await self.check_constraint(request.options)
         if isinstance(request.prompt, str):
             prompt_token_ids = await self.async_tokenizer.encode_prompt(request.prompt)
         else:

@@ -24,7 +24,10 @@ from services.frontend.fanout import merge_streams
 from services.frontend.logprobs import TokenStrings
 from services.frontend.observability import FrontendObserver
 from services.frontend.protocol import GenerationOptions
-from services.frontend.tokenizer import MAX_INLINE_TOKENS, AsyncTokenizer
+from services.frontend.structured_outputs import ConstraintChecker
+from services.frontend.chat_template import ChatTemplate
+from services.frontend.tokenizer import MAX_INLINE_CHARS, MAX_INLINE_TOKENS, AsyncTokenizer
+from services.frontend.tool_parsers import get_tool_parser
 
 _INT64 = 2**64
 
@@ -38,11 +41,22 @@ class ServingModel:
     eos_token_ids: tuple[int, ...] = ()
     # Lowers the engine's context length; None keeps the engine's.
     max_model_len: int | None = None
+    # The operator's chat template file (`--chat-template`); None: the model's own.
+    chat_template_path: str | None = None
+    # Parses tool calls out of `tool_choice: auto` output (`--tool-call-parser`).
+    tool_call_parser: str = "hermes"
+    chat_template: ChatTemplate = dataclasses.field(init=False, repr=False, compare=False)
     # The tokenizer's work on the request path, off the event loop for large inputs; one for both faces.
     async_tokenizer: AsyncTokenizer = dataclasses.field(init=False, repr=False, compare=False)
+    # Output constraints, each distinct one parsed once.
+    constraint_checker: ConstraintChecker = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "async_tokenizer", AsyncTokenizer(self.tokenizer))
+        get_tool_parser(self.tool_call_parser)  # an unknown name fails at start-up
+        chat_template = ChatTemplate.build(self.tokenizer, self.chat_template_path)
+        object.__setattr__(self, "chat_template", chat_template)
+        object.__setattr__(self, "async_tokenizer", AsyncTokenizer(self.tokenizer, chat_template))
+        object.__setattr__(self, "constraint_checker", ConstraintChecker())
 
 
 class ServerState:
@@ -130,6 +144,14 @@ class OpenAIServing:
             raise service_unavailable("The server is shutting down.")
         if not self.engine_client.is_ready:
             raise service_unavailable("The engine is not ready; try again shortly.")
+
+    async def check_constraint(self, options: GenerationOptions) -> None:
+        """A 400 naming the field if the request's output constraint does not parse (large ones
+        are parsed on a tokenizer thread)."""
+        params = options.sampling_params.structured_outputs
+        if params is not None:
+            await self.async_tokenizer.run(len(params.spec) > MAX_INLINE_CHARS, self.model.constraint_checker.check,
+                                           params, options.constraint_param)
 
     def make_engine_request(
         self,

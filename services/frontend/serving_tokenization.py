@@ -23,8 +23,9 @@ class OpenAIServingTokenization(OpenAIServing):
         self.check_model(_model(body))
         self.check_ready()  # max_model_len comes from the engine
         if "messages" in body:
-            token_ids = await self.async_tokenizer.render_chat_prompt(parse_chat_request(
-                {"messages": body["messages"]}).messages)
+            chat = parse_chat_request({"messages": body["messages"], "tools": body.get("tools")})
+            tools = chat.tool_choice.tools if chat.tool_choice is not None else None
+            token_ids = await self.async_tokenizer.render_chat_prompt(chat.messages, list(tools) if tools else None)
         else:
             prompt = body.get("prompt")
             if not isinstance(prompt, str):

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Sequence, TypeVar
 
+from services.frontend.chat_template import ChatTemplate
 from services.frontend.errors import invalid_request
 
 T = TypeVar("T")
@@ -29,16 +30,14 @@ def load_tokenizer(model_path: str | Path) -> Any:
     return AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
 
 
-def render_chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Applies the chat template with the assistant's turn opened, then tokenizes."""
-    import jinja2
-
-    if not getattr(tokenizer, "chat_template", None):
-        raise invalid_request("This model has no chat template; use /v1/completions.", param="messages")
+def render_chat_prompt(tokenizer: Any, chat_template: ChatTemplate, messages: list[dict[str, Any]],
+                       tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Applies the chat template (with `tools` if given) with the assistant's turn opened, then
+    tokenizes. A template's refusal (roles out of order, arguments that are not JSON) is a 400."""
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    except jinja2.TemplateError as exc:  # templates raise to refuse e.g. roles out of order
-        raise invalid_request(f"The chat template refused these messages: {exc}", param="messages") from None
+        text = chat_template.render(tokenizer, messages, tools)
+    except ValueError as exc:
+        raise invalid_request(str(exc), param="messages") from None
     # The template already wrote any BOS token it wants.
     return list(tokenizer.encode(text, add_special_tokens=False))
 
@@ -60,8 +59,9 @@ class AsyncTokenizer:
     interval). The tokenizer is only read, never reconfigured, so threads can share it.
     """
 
-    def __init__(self, tokenizer: Any, max_threads: int = MAX_TOKENIZER_THREADS):
+    def __init__(self, tokenizer: Any, chat_template: ChatTemplate, max_threads: int = MAX_TOKENIZER_THREADS):
         self.tokenizer = tokenizer
+        self.chat_template = chat_template
         # Threads start only when a large input comes.
         self._executor = ThreadPoolExecutor(max_workers=max(1, min(max_threads, os.cpu_count() or 1)),
                                             thread_name_prefix="tokenizer")
@@ -76,9 +76,11 @@ class AsyncTokenizer:
     async def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return await self.run(len(text) > MAX_INLINE_CHARS, encode_prompt, self.tokenizer, text, add_special_tokens)
 
-    async def render_chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        num_chars = sum(len(m["content"]) for m in messages)
-        return await self.run(num_chars > MAX_INLINE_CHARS, render_chat_prompt, self.tokenizer, messages)
+    async def render_chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+                                 ) -> list[int]:
+        num_chars = sum(len(m["content"]) + 200 * len(m.get("tool_calls", ())) for m in messages)
+        is_large = num_chars > MAX_INLINE_CHARS or bool(tools)  # tools render as JSON: a few ms
+        return await self.run(is_large, render_chat_prompt, self.tokenizer, self.chat_template, messages, tools)
 
     async def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return await self.run(len(token_ids) > MAX_INLINE_TOKENS, self.tokenizer.decode, token_ids,

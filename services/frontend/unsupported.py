@@ -14,16 +14,16 @@ from services.frontend.errors import invalid_request
 # name -> values that mean "feature off" (and are therefore accepted).
 _OFF = (None, False, [], {}, "")
 _COMMON = {
-    # vLLM's structured output and other extensions not implemented here.
+    # vLLM's older structured-output fields (use `structured_outputs`) and other extensions.
     "guided_json": _OFF, "guided_regex": _OFF, "guided_choice": _OFF, "guided_grammar": _OFF,
-    "structured_outputs": _OFF, "use_beam_search": _OFF, "bad_words": _OFF, "allowed_token_ids": _OFF,
+    "guided_decoding_backend": _OFF, "use_beam_search": _OFF, "bad_words": _OFF, "allowed_token_ids": _OFF,
     "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,), "logits_processors": _OFF,
     "return_tokens_as_token_ids": _OFF, "length_penalty": (None, 1, 1.0),
 }
 _CHAT = {
     **_COMMON,
-    "tools": _OFF, "functions": _OFF, "audio": _OFF, "prediction": _OFF, "web_search_options": _OFF,
-    "tool_choice": (None, "none", "auto"), "function_call": (None, "none", "auto"),
+    "functions": _OFF, "audio": _OFF, "prediction": _OFF, "web_search_options": _OFF,
+    "function_call": (None, "none", "auto"),
     "modalities": (None, ["text"]), "reasoning_effort": (None,), "verbosity": (None,), "moderation": _OFF,
     # vLLM's chat-template controls: the template is applied one fixed way.
     "chat_template": _OFF, "chat_template_kwargs": _OFF, "continue_final_message": _OFF, "documents": _OFF,
@@ -34,12 +34,10 @@ _COMPLETION = {**_COMMON, "suffix": _OFF}
 
 def refuse_unsupported_chat_fields(body: dict[str, Any]) -> None:
     _refuse(body, _CHAT)
-    _check_response_format(body)
 
 
 def refuse_unsupported_completion_fields(body: dict[str, Any]) -> None:
     _refuse(body, _COMPLETION)
-    _check_response_format(body)
 
 
 def _refuse(body: dict[str, Any], fields: dict[str, tuple]) -> None:
@@ -47,18 +45,6 @@ def _refuse(body: dict[str, Any], fields: dict[str, tuple]) -> None:
         value = body.get(name)
         if not any(value == off and type(value) is type(off) or value is off for off in off_values):
             raise invalid_request(f"'{name}' is not supported (got {_short(value)}).", param=name)
-
-
-def _check_response_format(body: dict[str, Any]) -> None:
-    response_format = body.get("response_format")
-    if response_format is None:
-        return
-    if not isinstance(response_format, dict):
-        raise invalid_request("'response_format' must be an object.", param="response_format")
-    if response_format.get("type") != "text":
-        raise invalid_request(
-            f"Only response_format type 'text' is supported (got {_short(response_format.get('type'))}).",
-            param="response_format.type")
 
 
 def _short(value: Any) -> str:

@@ -18,6 +18,7 @@ class RequestStatus(enum.IntEnum):
     RUNNING = 1
     PREEMPTED = 2
     FINISHED = 3
+    WAITING_FOR_GRAMMAR = 4  # its output constraint is compiling on the worker (grammar_gate.py)
 
 
 class Request:

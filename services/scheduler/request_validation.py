@@ -13,6 +13,7 @@ import math
 
 from services.common.messages import SamplingParams
 from services.common.sampling_limits import sampling_params_violation
+from services.common.structured_outputs import structured_outputs_violation
 from services.scheduler.request import Request
 
 # Ids are routing keys held for the request's life: a frontend makes ~40 characters; past this is abuse.
@@ -59,6 +60,10 @@ def check_sampling_params(p: SamplingParams, vocab_size: int | None) -> None:
     _check_token_ids(p.stop_token_ids, "stop_token_ids", vocab_size)
     if p.logit_bias:
         _check_token_ids(list(p.logit_bias), "logit_bias", vocab_size)
+    if p.structured_outputs is not None:
+        violation = structured_outputs_violation(p.structured_outputs)
+        if violation is not None:
+            raise RequestRejected(violation)
 
 
 def _check_token_ids(token_ids, what: str, vocab_size: int | None) -> None:

@@ -24,6 +24,7 @@ from services.common.messages import (
     SchedulerStats,
 )
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.grammar_gate import GrammarGate
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.request_queue import create_request_queue
@@ -48,6 +49,8 @@ class Scheduler:
         self.running: list[Request] = []
         # Finished or aborted since the last step: the worker drops their state.
         self.finished_req_ids: set[str] = set()
+        # Constrained requests whose grammar the worker is still compiling.
+        self.grammar_gate = GrammarGate()
         self.num_preemptions = 0
         self.num_steps = 0
 
@@ -59,11 +62,14 @@ class Scheduler:
             raise RequestRejected(f"duplicate request id {request.request_id!r}")
         self.check_request(request)
         limit = self.config.max_num_waiting_requests
-        if limit and len(self.waiting) >= limit:
+        if limit and len(self.waiting) + len(self.grammar_gate) >= limit:
             raise RequestRejected(f"the waiting queue is full ({limit} requests)", code="resource_exhausted")
         init_stop_triggers(request, self.max_model_len)
         self.requests[request.request_id] = request
-        self.waiting.add(request)
+        if self.grammar_gate.admit(request):
+            self.waiting.add(request)
+        else:
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
 
     def check_request(self, request: Request) -> None:
         """Raises RequestRejected (invalid_argument) if the request breaks a rule of request_validation.py."""
@@ -86,6 +92,7 @@ class Scheduler:
         failed = list(self.requests.values())
         self.waiting = create_request_queue(self.config.policy)
         self.running = []
+        self.grammar_gate.take_all()
         for request in failed:
             self._finish(request, FinishReason.ERROR)
         return failed
@@ -188,6 +195,7 @@ class Scheduler:
         output = build_scheduler_output(new_reqs, resumed_reqs, scheduled_running, num_scheduled_tokens,
                                         req_to_new_block_ids, req_to_num_computed, {r.request_id for r in preempted},
                                         self.finished_req_ids, self.num_steps)
+        output.grammars_to_compile = self.grammar_gate.take_to_announce()
         self.finished_req_ids = set()
         self.num_steps += 1
         return output
@@ -245,13 +253,19 @@ class Scheduler:
         outputs = EngineCoreOutputs(req_ids, new_token_ids_column, extras)
         if runner_output.failed_reqs:
             self._fail_refused(runner_output.failed_reqs, outputs)
+        if runner_output.compiled_grammar_keys or runner_output.failed_grammars:
+            self._on_grammars(runner_output, outputs)
         return outputs
+
+    def on_step_failed(self) -> None:
+        """A step failed as a whole (the engine core fails its requests)."""
+        self.grammar_gate.on_step_failed()
 
     def get_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=len(self.waiting) + len(self.grammar_gate),
             kv_cache_usage=kv.usage(),
             prefix_cache_queries=kv.prefix_cache_stats.num_queries,
             prefix_cache_hits=kv.prefix_cache_stats.num_hits,
@@ -276,8 +290,24 @@ class Scheduler:
                 events=request.take_events(), error_message=f"the worker could not run the request: {reason}",
                 error_code="internal"))
 
+    def _on_grammars(self, runner_output: ModelRunnerOutput, outputs: EngineCoreOutputs) -> None:
+        """Compiled grammars release their requests to the waiting queue; a grammar that failed to
+        compile fails its requests alone."""
+        released, rejected = self.grammar_gate.on_results(runner_output.compiled_grammar_keys,
+                                                          runner_output.failed_grammars)
+        for request in released:
+            request.status = RequestStatus.WAITING
+            self.waiting.add(request)
+        for request, reason in rejected:
+            self._finish(request, FinishReason.ERROR)
+            outputs.append(request.request_id, [], OutputExtras(
+                finish_reason=FinishReason.ERROR, events=request.take_events(),
+                error_message=f"structured_outputs: {reason}", error_code="invalid_argument"))
+
     def _dequeue(self, request: Request) -> None:
-        if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+        if request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+            self.grammar_gate.remove(request)
+        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
         else:
             self.running.remove(request)

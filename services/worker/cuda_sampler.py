@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from services.worker.kernels import sampling_ops
+from services.worker.kernels import bitmask_ops, sampling_ops
 from services.worker.kernels.launch import Launcher
 from services.worker.sampler import Sampler, SamplerOutput, gather_logprobs
 from services.worker.sampling_metadata import SamplingMetadata
@@ -46,6 +46,29 @@ class CudaSampler(Sampler):
         if raw_logprobs is not None:
             logprobs = gather_logprobs(raw_logprobs, out, metadata.num_logprobs)
         return SamplerOutput(token_ids, logprobs)
+
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, row_indices: list[int]) -> None:
+        """Only the constrained rows' words go to the device: one gather on the host into a
+        (pinned, on a GPU) buffer, then one copy for the words and one for the row indices."""
+        if not row_indices:
+            return
+        num_rows = logits.shape[0]
+        if bitmask.device.type != "cpu" or bitmask.dtype != torch.int32 or bitmask.dim() != 2:
+            raise ValueError(f"bitmask: expected a host int32 [N, words] tensor, got {bitmask.dtype} "
+                             f"{tuple(bitmask.shape)} on {bitmask.device}")
+        if bitmask.shape[0] != num_rows:
+            raise ValueError(f"bitmask: {bitmask.shape[0]} rows, logits have {num_rows}")
+        if not 0 <= min(row_indices) <= max(row_indices) < num_rows:  # the kernel writes where they point
+            raise ValueError(f"row_indices out of range for {num_rows} rows")
+        device = logits.device
+        # Pinned host memory makes the copies truly asynchronous; PyTorch's pinned allocator keeps
+        # these buffers alive until the copies finish, so they may be dropped right away.
+        pinned = device.type == "cuda"
+        rows = torch.tensor(row_indices, dtype=torch.int32, pin_memory=pinned)
+        words = torch.empty((len(row_indices), bitmask.shape[1]), dtype=torch.int32, pin_memory=pinned)
+        torch.index_select(bitmask, 0, rows, out=words)
+        self._launch(bitmask_ops.apply_token_bitmask(
+            logits, words.to(device, non_blocking=True), rows.to(device, non_blocking=True)))
 
     def _launch(self, launch) -> None:
         if launch is not None:

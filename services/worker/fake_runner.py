@@ -8,6 +8,9 @@ runner samples by) gets `FAKE_TOKEN_ID` at once. Nothing is allocated: the KV ca
 reported, sized for the embedded SmolLM2-135M-Instruct's geometry so the scheduler sees the block
 count a real worker with the same `--kv-cache-bytes` would report (a large budget costs no memory).
 
+Output constraints are not applied (the token is fixed): every grammar the scheduler announces is
+reported compiled in the same step, so constrained requests run as the others do.
+
 What remains per step is exactly the service split's overhead: scheduling, protobuf encoding and
 decoding, and the gRPC round trips between frontend, scheduler and worker.
 """
@@ -90,7 +93,7 @@ class FakeModelRunner:
                 logprobs.append(None)
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs,
                                  prepare_ns=time.perf_counter_ns() - start, step_id=scheduler_output.step_id,
-                                 failed_reqs=failed)
+                                 failed_reqs=failed, compiled_grammar_keys=list(scheduler_output.grammars_to_compile))
 
     def _update_states(self, scheduler_output: SchedulerOutput, failed: dict[str, str]) -> None:
         for req_id in scheduler_output.finished_req_ids:

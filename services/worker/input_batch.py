@@ -21,6 +21,7 @@ import torch
 
 from services.common.messages import SamplingParams
 from services.worker.block_table import BlockTable
+from services.worker.structured_output.grammar_state import GrammarState
 
 
 @dataclass
@@ -35,6 +36,8 @@ class CachedRequestState:
     num_computed_tokens: int
     # Tokens this worker sampled (or the scheduler resent on resumption), after the prompt.
     output_token_ids: list[int] = field(default_factory=list)
+    # The request's output constraint, advanced by every token it samples; None when unconstrained.
+    grammar: GrammarState | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -53,6 +56,7 @@ class Knob(IntEnum):
     LOGIT_BIAS = 6
     MIN_TOKENS = 7  # stop tokens banned until min_tokens outputs
     LOGPROBS = 8
+    GRAMMAR = 9  # an output constraint: its grammar masks the logits (the runner does it, not the sampler)
 
 
 # Rows of `InputBatch.float_knobs_cpu`: one gather of its columns gives a step all its float knobs.
@@ -93,6 +97,10 @@ class InputBatch:
     @property
     def num_reqs(self) -> int:
         return len(self.req_id_to_index)
+
+    @property
+    def num_grammar_rows(self) -> int:
+        return int(self.num_rows_using[Knob.GRAMMAR])
 
     def add_request(self, state: CachedRequestState) -> int:
         """Gives `state` a row (replacing an existing row of the same id) and returns it."""
@@ -137,6 +145,7 @@ class InputBatch:
         flags[Knob.LOGIT_BIAS] = bool(p.logit_bias)
         flags[Knob.MIN_TOKENS] = p.min_tokens > 0
         flags[Knob.LOGPROBS] = p.logprobs is not None
+        flags[Knob.GRAMMAR] = p.structured_outputs is not None
         self.num_rows_using += flags
         if generator is not None:
             self.generators[row] = generator

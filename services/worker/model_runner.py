@@ -10,7 +10,9 @@ Per step (`execute_model`):
 4. forward; logits only for the last scheduled token of requests whose computed tokens reach the
    end of their known tokens (a partial prefill chunk samples nothing);
 5. sample, and append each sampled token to its request: the scheduler never resends them. The
-   runner never advances a count itself: every step brings the scheduler's.
+   runner never advances a count itself: every step brings the scheduler's. Rows with an output
+   constraint get their grammar's bitmask applied to the logits first, and their grammar advances
+   by the token sampled (structured_output/).
 
 A request whose inputs would make the step raise (input_checks.py: token ids, block ids, lengths)
 fails alone: it leaves the batch, is reported in `failed_reqs`, and the step runs without it; the
@@ -30,10 +32,16 @@ from services.common.messages import CachedRequestData, ModelRunnerOutput, NewRe
 from services.worker.attention.backend import AttentionBackend, CommonAttentionMetadata
 from services.worker.config import RunnerConfig
 from services.worker.input_batch import CachedRequestState, InputBatch
+from services.common.grammars import GrammarError
 from services.worker.input_checks import RequestInputError, check_block_ids, check_new_request, check_tokens
 from services.worker.kv_cache import KVCacheLayout, allocate_kv_caches
 from services.worker.sampler import Sampler, TorchSampler
 from services.worker.sampling_metadata import build_sampling_metadata
+from services.worker.structured_output.grammar_compiler import GrammarCompiler
+from services.worker.structured_output.grammar_state import GrammarState, fill_bitmask
+
+# An idle step with compiles running waits this long for one to finish before it answers.
+MAX_GRAMMAR_WAIT_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -59,6 +67,7 @@ class ModelRunner:
         vocab_size: int,
         eos_token_ids: tuple[int, ...] = (),
         sampler: Sampler | None = None,
+        grammar_compiler: GrammarCompiler | None = None,
     ):
         self.model = model
         self.config = config
@@ -68,6 +77,9 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.sampler = sampler or TorchSampler()
+        # Without one (a model with no tokenizer), every constraint fails to compile.
+        self.grammar_compiler = grammar_compiler or GrammarCompiler(None, vocab_size, self.eos_token_ids)
+        self._bitmask: torch.Tensor | None = None  # [max_num_seqs, vocab / 32] int32, made on first use
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, config.block_size)
         self.kv_caches: list[torch.Tensor] = []
@@ -101,11 +113,15 @@ class ModelRunner:
         if not self.kv_caches:
             raise RuntimeError("KV cache not initialised: InitializeKVCache must come first")
         failed: dict[str, str] = {}
+        if scheduler_output.grammars_to_compile:
+            self.grammar_compiler.submit(scheduler_output.grammars_to_compile)
         self._update_states(scheduler_output, failed)
         inputs = self._prepare_inputs(scheduler_output, failed)
         if inputs is None:
+            compiled, failed_grammars = self.grammar_compiler.take_results(wait_s=MAX_GRAMMAR_WAIT_S)
             return ModelRunnerOutput(step_id=scheduler_output.step_id, prepare_ns=time.perf_counter_ns() - start,
-                                     failed_reqs=failed)
+                                     failed_reqs=failed, compiled_grammar_keys=compiled,
+                                     failed_grammars=failed_grammars)
         prepared = time.perf_counter_ns()
         hidden_states = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         logits = None
@@ -115,8 +131,9 @@ class ModelRunner:
         sampled = [[] for _ in inputs.req_ids]
         logprobs = [None] * len(inputs.req_ids)
         if logits is not None:
-            self._sample(inputs, logits, sampled, logprobs)
+            self._sample(inputs, logits, sampled, logprobs, failed)
         done = time.perf_counter_ns()
+        compiled, failed_grammars = self.grammar_compiler.take_results()
         return ModelRunnerOutput(
             req_ids=inputs.req_ids,
             sampled_token_ids=sampled,
@@ -126,6 +143,8 @@ class ModelRunner:
             sample_ns=done - forwarded,
             step_id=scheduler_output.step_id,
             failed_reqs=failed,
+            compiled_grammar_keys=compiled,
+            failed_grammars=failed_grammars,
         )
 
     def _update_states(self, scheduler_output: SchedulerOutput, failed: dict[str, str]) -> None:
@@ -177,6 +196,7 @@ class ModelRunner:
             generator=torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None,
             block_ids=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
+            grammar=self._new_grammar_state(new),
         )
         self.requests[new.req_id] = state
         self.input_batch.add_request(state)
@@ -200,11 +220,22 @@ class ModelRunner:
             state.block_ids = list(new_block_ids)
             if tokens:
                 state.output_token_ids = list(tokens[len(state.prompt_token_ids) :])
+            if state.grammar is not None:  # a token sampled in flight may have been dropped
+                state.grammar.sync_to(len(state.output_token_ids))
         else:
             check_block_ids(new_block_ids, len(state.block_ids), self.num_blocks, max_num_blocks)
             state.block_ids.extend(new_block_ids)
         state.num_computed_tokens = num_computed
         self.input_batch.add_request(state)  # (re)builds the whole row from the state
+
+    def _new_grammar_state(self, new: NewRequestData) -> GrammarState | None:
+        params = new.sampling_params.structured_outputs
+        if params is None:
+            return None
+        try:
+            return GrammarState(self.grammar_compiler.get(params))
+        except GrammarError as exc:
+            raise RequestInputError(f"structured_outputs: {exc}") from None
 
     def _fail_request(self, req_id: str, reason: str, failed: dict[str, str]) -> None:
         """The request leaves the batch and the runner; the scheduler hears why in this step's output."""
@@ -274,12 +305,35 @@ class ModelRunner:
             logits_indices=torch.from_numpy(query_start_loc[1:][sample_indices] - 1).to(self.device),
         )
 
-    def _sample(self, inputs: ModelInputs, logits: torch.Tensor, sampled: list, logprobs: list) -> None:
+    def _sample(self, inputs: ModelInputs, logits: torch.Tensor, sampled: list, logprobs: list,
+                failed: dict[str, str]) -> None:
         rows = inputs.rows[inputs.sample_indices]
         metadata = build_sampling_metadata(self.input_batch, rows, self.eos_token_ids, self.vocab_size, self.device)
+        grammars = None
+        if self.input_batch.num_grammar_rows:
+            grammars = [self.input_batch.requests[row].grammar for row in rows.tolist()]
+            logits = self._apply_grammars(logits, grammars)
         output = self.sampler(logits, metadata)
-        for i, row, token_id, token_logprobs in zip(inputs.sample_indices.tolist(), rows.tolist(),
-                                                    output.sampled_token_ids, output.logprobs, strict=True):
+        for j, (i, row, token_id, token_logprobs) in enumerate(zip(
+                inputs.sample_indices.tolist(), rows.tolist(), output.sampled_token_ids, output.logprobs, strict=True)):
+            if grammars is not None and grammars[j] is not None and not grammars[j].accept(token_id):
+                # Every token the grammar allows was forbidden (min_tokens or a logit bias of -inf).
+                self._fail_request(inputs.req_ids[i], "structured_outputs: the grammar allows no token the "
+                                   "request's other settings (min_tokens, logit_bias) permit here", failed)
+                continue
             self.input_batch.append_token(row, token_id)
             sampled[i] = [token_id]
             logprobs[i] = token_logprobs
+
+    def _apply_grammars(self, logits: torch.Tensor, grammars: list[GrammarState | None]) -> torch.Tensor:
+        """Masks what each constrained row's grammar forbids (float32 logits, in place)."""
+        if self._bitmask is None:
+            import xgrammar as xgr
+
+            self._bitmask = xgr.allocate_token_bitmask(self.config.max_num_seqs, self.vocab_size)
+        bitmask = self._bitmask[: len(grammars)]
+        row_indices = fill_bitmask(grammars, bitmask)
+        logits = logits.float()
+        if row_indices:
+            self.sampler.apply_token_bitmask(logits, bitmask, row_indices)
+        return logits

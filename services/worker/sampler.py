@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -33,8 +34,22 @@ class Sampler(abc.ABC):
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """Picks one token per row of `logits` [N, vocab] as `metadata` row i says."""
 
+    @abc.abstractmethod
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, row_indices: list[int]) -> None:
+        """Sets to -inf, in place, every token a grammar forbids, before sampling.
+
+        `logits` is float32 [N, vocab] on the sampler's device; `bitmask` a host int32 tensor
+        [N, ceil(vocab / 32)] in xgrammar's layout (bit t % 32 of word t // 32 is 1 where token t
+        is allowed), row i for logits row i. Only the rows in `row_indices` (ascending, unique)
+        are constrained; the others, and their bitmask rows, are left untouched.
+        """
+
 
 class TorchSampler(Sampler):
+    def __init__(self, token_bitmask: Callable[[torch.Tensor, torch.Tensor, list[int]], None] | None = None):
+        """`token_bitmask`: a compiled `apply_token_bitmask` (cpu_bitmask.py); None: xgrammar's CPU function."""
+        self._token_bitmask = token_bitmask or apply_token_bitmask_cpu
+
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
         raw_logprobs = None
@@ -54,6 +69,9 @@ class TorchSampler(Sampler):
             logprobs = gather_logprobs(raw_logprobs, sampled, metadata.num_logprobs)
         return SamplerOutput(token_ids, logprobs)
 
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, row_indices: list[int]) -> None:
+        self._token_bitmask(logits, bitmask, row_indices)
+
     @staticmethod
     def _sample_random(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
         logits = logits / m.temperature
@@ -68,6 +86,16 @@ class TorchSampler(Sampler):
         for row, generator in m.generators.items():
             noise[row].exponential_(generator=generator)
         return (probs / noise).argmax(dim=-1)
+
+
+def apply_token_bitmask_cpu(logits: torch.Tensor, bitmask: torch.Tensor, row_indices: list[int]) -> None:
+    """The grammar library's CPU function (xgrammar's, in C++): for 32 rows of SmolLM2's 49,152
+    tokens 0.04 ms when nearly all are allowed, 3.5 to 6.4 ms when few are (the compiled kernel of
+    cpu_bitmask.py: about 0.2 ms)."""
+    import xgrammar  # imported by the first constrained step only
+
+    vocab_size = logits.shape[1]
+    xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=row_indices)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from services.worker.kv_cache import KVCacheLayout, num_blocks_for_budget
 from services.worker.model_loader import load_config, load_model
 from services.worker.model_runner import ModelRunner
 from services.worker.platforms import AttentionHeads, Platform, build_platform
+from services.worker.structured_output.grammar_compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -75,9 +76,11 @@ class Worker:
             layout, kv_cache_bytes, runner_config.max_model_len, runner_config.max_num_seqs
         )
         backend = platform.attention_backend
+        eos_ids = eos_token_ids(resolved.path)
         self.model_runner = ModelRunner(
             model, runner_config, platform.device, backend, layout,
-            vocab_size=hf_config.vocab_size, eos_token_ids=eos_token_ids(resolved.path), sampler=platform.sampler,
+            vocab_size=hf_config.vocab_size, eos_token_ids=eos_ids, sampler=platform.sampler,
+            grammar_compiler=GrammarCompiler(resolved.path, hf_config.vocab_size, eos_ids),
         )
         self.kv_cache_spec = KVCacheSpec(
             block_size=self.config.block_size,

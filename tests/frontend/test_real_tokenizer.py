@@ -7,6 +7,7 @@ import pytest
 
 from services.common.model_files import eos_token_ids
 from services.frontend.detokenizer import IncrementalDetokenizer
+from services.frontend.chat_template import ChatTemplate
 from services.frontend.tokenizer import load_tokenizer, render_chat_prompt
 from tests.frontend.fakes import FakeEngineClient, read_sse
 from tests.openai_schema import validate
@@ -25,7 +26,7 @@ def tokenizer(model):
 
 
 def test_chat_template_and_eos(model, tokenizer):
-    ids = render_chat_prompt(tokenizer, [{"role": "user", "content": "What is the capital of France?"}])
+    ids = render_chat_prompt(tokenizer, ChatTemplate.build(tokenizer, None), [{"role": "user", "content": "What is the capital of France?"}])
     # SmolLM2's template adds its default system turn and opens the assistant's.
     assert tokenizer.decode(ids) == (
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
@@ -36,7 +37,7 @@ def test_chat_template_and_eos(model, tokenizer):
 
 @pytest.mark.parametrize("text", ["The capital of France is Paris.", "日本語 😀😀 👍🏽 café 中文", "a  b\n\n\tc"])
 def test_detokenizer_matches_decode(tokenizer, text):
-    prompt = render_chat_prompt(tokenizer, [{"role": "user", "content": "Hi"}])
+    prompt = render_chat_prompt(tokenizer, ChatTemplate.build(tokenizer, None), [{"role": "user", "content": "Hi"}])
     output = tokenizer.encode(text, add_special_tokens=False) + [2]
     detok = IncrementalDetokenizer(tokenizer, prompt)
     deltas = [detok.update([t], is_finished=i == len(output) - 1) for i, t in enumerate(output)]

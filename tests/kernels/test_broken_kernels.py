@@ -11,6 +11,7 @@ from services.worker.kernels.loader import read_source
 from tests.kernels.cuda_shim.build import ShimError, ShimLauncher, ShimSpec, build_shim, gxx
 from tests.kernels.paged_batch import make_batch, reference_attention
 from tests.kernels.test_attention_kernels import run_attention
+from tests.kernels.test_bitmask_kernels import run_case
 from tests.kernels.test_sampling_kernels import draw
 
 ATTENTION = "spindle::paged_attention<float, 64, 4>"
@@ -62,3 +63,15 @@ def test_out_of_bounds_write_is_reported():
     slots[0] = -1  # padding, which the broken kernel writes one row before the cache
     with pytest.raises(ShimError, match="out-of-bounds write"):
         shim(reshape_and_cache(batch.kv_cache.clone(), batch.key, batch.value, slots))
+
+
+@pytest.mark.parametrize("old,new,error,match", [
+    ("(t & 31)) & 1u))  // [index:bit]", "((t + 1) & 31)) & 1u))", AssertionError, "differ from xgrammar"),
+    ("row_indices[blockIdx.y];  // [index:row]", "blockIdx.y;", AssertionError, "differ from xgrammar"),
+    # the last row's tile runs past the end of the logits
+    ("if (t < vocab_size && ", "if (", ShimError, "out-of-bounds write"),
+], ids=("bit-off-by-one", "row-indices-ignored", "vocab-bound-dropped"))
+def test_broken_bitmask_kernel_is_caught(old, new, error, match):
+    shim = broken_shim("bitmask", old, new, ("spindle::apply_token_bitmask<256, 4>",))
+    with pytest.raises(error, match=match):
+        run_case(shim, "1000-subset")

@@ -55,3 +55,11 @@ def test_the_spill_check_catches_a_spilling_kernel(nvrtc):
     expr = "spindle::paged_attention<float, 128, 8>"
     rows = module_resources("attention", "sm_90", source=broken, name_expressions=(expr,))
     assert rows[0].spills and rows[0].registers <= 32
+
+
+def test_the_bitmask_kernel_needs_no_shared_memory_or_stack(resources):
+    """apply_token_bitmask only streams bits to stores: a stack frame or shared memory there would
+    mean a local array or a reduction crept in."""
+    rows = [r for r in resources if r.module == "bitmask"]
+    assert {r.arch for r in rows} == set(ARCHS)
+    assert all(r.shared_bytes == 0 and r.stack_bytes == 0 for r in rows), rows

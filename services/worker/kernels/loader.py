@@ -23,6 +23,8 @@ GROUP_TILES = (1, 2, 4, 8)  # query heads per CTA; larger GQA groups are split i
 # Threads per row of the sampler: 128 for small vocabularies (tests, tiny models), 512 otherwise.
 SAMPLER_THREADS = (128, 512)
 SMALL_VOCAB = 8192
+# Grammar bitmask: threads per CTA and tokens per thread (a CTA covers 1024 tokens of one row).
+BITMASK_THREADS, BITMASK_TOKENS_PER_THREAD = 256, 4
 
 # NVRTC options shared by the loader and the compile check. -default-device: no __host__ code.
 NVRTC_OPTIONS = ("-std=c++17", "-default-device", "--use_fast_math")
@@ -46,6 +48,9 @@ MODULES: dict[str, KernelModule] = {
     "sampling": KernelModule(
         "sampling.cu",
         ("spindle::apply_sparse_logits<256>", *(f"spindle::sample_rows<{n}>" for n in SAMPLER_THREADS)),
+    ),
+    "bitmask": KernelModule(
+        "bitmask.cu", (f"spindle::apply_token_bitmask<{BITMASK_THREADS}, {BITMASK_TOKENS_PER_THREAD}>",)
     ),
 }
 

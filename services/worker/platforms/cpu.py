@@ -21,6 +21,7 @@ from services.worker.attention.cpu_backend import CpuAttentionBackend
 from services.worker.attention.cpu_decode import PagedDecodeKernel
 from services.worker.attention.torch_backend import TorchAttentionBackend
 from services.worker.config import RunnerConfig, WorkerConfig, cpu_has_native_bf16
+from services.worker.cpu_bitmask import CpuTokenBitmask
 from services.worker.cpu_kernels import load_cpu_kernels
 from services.worker.kv_cache import KVCacheLayout
 from services.worker.layers.fused_ops import CpuLayerOps, FusedOps
@@ -37,7 +38,7 @@ class CpuPlatform(Platform):
 
     def __init__(self, dtype: torch.dtype, attention_backend: AttentionBackend, layer_ops: LayerOps, *,
                  float32_copy: bool, kv_cache_bytes: int = WorkerConfig.kv_cache_bytes,
-                 native_bf16: bool | None = None):
+                 native_bf16: bool | None = None, sampler: TorchSampler | None = None):
         """`float32_copy`: 16-bit weights also get a float32 packed copy for batches, unless the CPU
         multiplies bfloat16 natively. `kv_cache_bytes`: the KV cache budget (default: the flag's).
         `native_bf16`: None asks this CPU (`cpu_has_native_bf16`)."""
@@ -45,7 +46,7 @@ class CpuPlatform(Platform):
         self.dtype = dtype
         self.attention_backend = attention_backend
         self.layer_ops = layer_ops
-        self.sampler = TorchSampler()
+        self.sampler = sampler or TorchSampler()
         self.kv_cache_budget_bytes = kv_cache_bytes
         self.native_bf16 = cpu_has_native_bf16() if native_bf16 is None else native_bf16
         self.float32_copy = float32_copy and not self.native_bf16
@@ -56,8 +57,9 @@ class CpuPlatform(Platform):
         if config.attention_backend != "torch":
             kernels = load_cpu_kernels(Path(config.cache_dir) if config.cache_dir else None)
         backend, layer_ops = _backend_and_ops(kernels, dtype, heads)
+        sampler = TorchSampler(CpuTokenBitmask(kernels)) if kernels is not None else TorchSampler()
         return cls(dtype, backend, layer_ops, kv_cache_bytes=config.kv_cache_bytes,
-                   float32_copy=config.cpu_float32_copy)
+                   float32_copy=config.cpu_float32_copy, sampler=sampler)
 
     def process_weights_after_loading(self, model: nn.Module) -> str:
         num_packed = num_copied = 0

@@ -1,0 +1,130 @@
+"""Llama 3.1 to 3.3 JSON tool calls ("JSON based tool calling" in Meta's prompt format).
+
+The model writes the call itself as its whole answer: after optional whitespace and an optional
+`<|python_tag|>`, a JSON object `{"name": ..., "parameters": {...}}` ("arguments" is accepted too),
+and further calls after a `;` (or just whitespace). An output that does not begin that way is plain
+content. Text after the calls is content; a trailing `;` is dropped. An object that is not a valid
+call is content from the text before it (whitespace, tag or separator) to the end of the output.
+
+Streamed, a call is sent once committed (see `call_object`); if its JSON breaks after that, the call
+keeps what was sent and the rest of the output is dropped (there is no closing tag to resume at),
+where the non-streamed result would be content from that object on.
+"""
+from __future__ import annotations
+
+from services.frontend.tool_parsers.abstract_tool_parser import (
+    DeltaEvent,
+    ExtractedToolCalls,
+    ToolCallStreamParser,
+    ToolParser,
+    collect_events,
+)
+from services.frontend.tool_parsers.call_object import CallObjectStream
+
+PYTHON_TAG = "<|python_tag|>"
+_WHITESPACE = " \t\n\r"
+# The start (whitespace, python tag), a call object, what follows one (a separator or the end),
+# content to the end, or dropped to the end.
+_START, _CALL, _AFTER_CALL, _CONTENT, _DROPPED = range(5)
+
+
+class Llama3JsonToolCallStreamParser(ToolCallStreamParser):
+    """Streams one choice in Llama 3's JSON format; `emit_partial_calls` as in Hermes."""
+
+    def __init__(self, emit_partial_calls: bool = True):
+        super().__init__()
+        self._emit_partial_calls = emit_partial_calls
+        self._mode = _START
+        self._text = ""  # text received and not yet decided
+        self._call: CallObjectStream | None = None
+        self._call_prefix = ""  # the whitespace, tag or separator before the call, for content
+        self._num_calls = 0
+
+    def feed(self, delta_text: str) -> list[DeltaEvent]:
+        events: list[DeltaEvent] = []
+        self._text += delta_text
+        while self._text and self._advance(events):
+            pass
+        if self._emit_partial_calls and self._mode == _CALL:
+            events.extend(self._call.progress())
+        return events
+
+    def finish(self) -> list[DeltaEvent]:
+        events: list[DeltaEvent] = []
+        if self._mode == _START or self._mode == _CONTENT:
+            self._add_content(events, self._text)
+        elif self._mode == _CALL and not self._call.is_committed:
+            self._add_content(events, self._call_prefix + self._call.raw_text)
+        # After a call, whitespace and a lone `;` are separators, dropped.
+        self._text, self._mode, self._call = "", _CONTENT, None
+        return events
+
+    def _advance(self, events: list[DeltaEvent]) -> bool:
+        """Reads from the start of `self._text`; False when the rest must wait for more text."""
+        text, mode = self._text, self._mode
+        if mode == _START:
+            rest = text.lstrip(_WHITESPACE)
+            if rest.startswith(PYTHON_TAG):
+                rest = rest[len(PYTHON_TAG):].lstrip(_WHITESPACE)
+            elif PYTHON_TAG.startswith(rest):
+                return False  # whitespace only, or maybe the tag
+            if not rest:
+                return False
+            if rest[0] == "{":
+                self._start_call(text, rest)
+            else:
+                self._mode = _CONTENT
+            return True
+        if mode == _CALL:
+            return self._read_call(events, text)
+        if mode == _AFTER_CALL:
+            rest = text.lstrip(_WHITESPACE)
+            if rest.startswith(";"):
+                rest = rest[1:].lstrip(_WHITESPACE)
+            if not rest:
+                return False
+            if rest[0] == "{":
+                self._start_call(text, rest)
+            else:
+                self._mode = _CONTENT
+            return True
+        if mode == _CONTENT:
+            self._add_content(events, text)
+        self._text = ""
+        return False
+
+    def _start_call(self, text: str, rest: str) -> None:
+        self._call_prefix = text[:len(text) - len(rest)]
+        self._text, self._mode = rest, _CALL
+        self._call = CallObjectStream(index=self._num_calls)
+
+    def _read_call(self, events: list[DeltaEvent], text: str) -> bool:
+        call = self._call
+        end = call.feed(text)
+        self._text = text[end:]
+        if call.is_done:
+            pieces = call.complete()
+            if pieces is not None:
+                events.extend(pieces)
+                self._num_calls += 1
+                self._mode = _AFTER_CALL
+                return True
+        elif not call.has_error:
+            return False
+        if call.is_committed:  # broken after its first piece went out
+            self._num_calls += 1
+            self._mode = _DROPPED
+        else:
+            self._add_content(events, self._call_prefix + call.raw_text)
+            self._mode = _CONTENT
+        self._call = None
+        return True
+
+
+class Llama3JsonToolParser(ToolParser):
+    def create_stream_parser(self) -> Llama3JsonToolCallStreamParser:
+        return Llama3JsonToolCallStreamParser()
+
+    def extract_tool_calls(self, model_output: str) -> ExtractedToolCalls:
+        parser = Llama3JsonToolCallStreamParser(emit_partial_calls=False)
+        return collect_events(parser.feed(model_output) + parser.finish())
