@@ -38,7 +38,7 @@ from services.worker.kv_cache import KVCacheLayout, allocate_kv_caches
 from services.worker.sampler import Sampler, TorchSampler
 from services.worker.sampling_metadata import build_sampling_metadata
 from services.worker.structured_output.grammar_compiler import GrammarCompiler
-from services.worker.structured_output.grammar_state import GrammarState, fill_bitmask
+from services.worker.structured_output.grammar_state import GrammarBitmask, GrammarState
 
 # An idle step with compiles running waits this long for one to finish before it answers.
 MAX_GRAMMAR_WAIT_S = 0.005
@@ -79,7 +79,7 @@ class ModelRunner:
         self.sampler = sampler or TorchSampler()
         # Without one (a model with no tokenizer), every constraint fails to compile.
         self.grammar_compiler = grammar_compiler or GrammarCompiler(None, vocab_size, self.eos_token_ids)
-        self._bitmask: torch.Tensor | None = None  # [max_num_seqs, vocab / 32] int32, made on first use
+        self.grammar_bitmask = GrammarBitmask(config.max_num_seqs, vocab_size)
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, config.block_size)
         self.kv_caches: list[torch.Tensor] = []
@@ -327,12 +327,7 @@ class ModelRunner:
 
     def _apply_grammars(self, logits: torch.Tensor, grammars: list[GrammarState | None]) -> torch.Tensor:
         """Masks what each constrained row's grammar forbids (float32 logits, in place)."""
-        if self._bitmask is None:
-            import xgrammar as xgr
-
-            self._bitmask = xgr.allocate_token_bitmask(self.config.max_num_seqs, self.vocab_size)
-        bitmask = self._bitmask[: len(grammars)]
-        row_indices = fill_bitmask(grammars, bitmask)
+        bitmask, row_indices = self.grammar_bitmask.fill(grammars)
         logits = logits.float()
         if row_indices:
             self.sampler.apply_token_bitmask(logits, bitmask, row_indices)

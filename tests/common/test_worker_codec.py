@@ -262,3 +262,25 @@ def test_a_step_that_fails_to_run_leaves_nothing_to_refer_to_and_the_next_step_g
     _answer(decoder, step4)
     elided = _wire(encoder.encode(step5))
     assert elided.scheduled_cached_reqs.req_ids_as_last_step and decoder.decode(elided) == step5
+
+
+def test_constraints_and_grammar_compiles_cross_the_step_stream():
+    from services.common.structured_outputs import StructuredOutputsParams
+
+    regex = StructuredOutputsParams("regex", "[a-z]+")
+    schema = StructuredOutputsParams("json", '{"type": "object"}', any_whitespace=True)
+    so = m.SchedulerOutput(
+        scheduled_new_reqs=[m.NewRequestData("n1", [1, 2], m.SamplingParams(structured_outputs=schema), [4], 0)],
+        num_scheduled_tokens={"n1": 2}, total_num_scheduled_tokens=2, step_id=1,
+        grammars_to_compile={regex.key: regex, schema.key: schema})
+    back = worker_codec.scheduler_output_from_pb(_wire(worker_codec.scheduler_output_to_pb(so)))
+    assert back == so
+    assert back.scheduled_new_reqs[0].sampling_params.structured_outputs == schema
+    out = m.ModelRunnerOutput(req_ids=["n1"], sampled_token_ids=[[3]], logprobs=[None], step_id=1,
+                              compiled_grammar_keys=[regex.key], failed_grammars={schema.key: "bad schema"})
+    assert worker_codec.model_runner_output_from_pb(_wire(worker_codec.model_runner_output_to_pb(out))) == out
+    plain = m.SchedulerOutput(scheduled_new_reqs=[m.NewRequestData("n2", [1], m.SamplingParams(), [4], 0)],
+                              num_scheduled_tokens={"n2": 1}, total_num_scheduled_tokens=1)
+    msg = worker_codec.scheduler_output_to_pb(plain)
+    assert not msg.grammars_to_compile and not msg.scheduled_new_reqs[0].sampling_params.HasField("structured_outputs")
+    assert worker_codec.scheduler_output_from_pb(_wire(msg)).scheduled_new_reqs[0].sampling_params.structured_outputs is None

@@ -200,3 +200,26 @@ def test_an_uncompilable_grammar_fails_alone_while_eight_requests_run_unchanged(
     assert results[1:] == expected
     idle = cluster.wait_for_idle()
     assert idle["num_free_blocks"] == idle["num_total_blocks"], idle
+
+
+def test_the_public_grpc_api_takes_the_same_constraints(cluster):
+    import grpc
+
+    from services.common.pb import generate_pb2, generate_pb2_grpc
+
+    params = generate_pb2.GenerateRequest.SamplingParams(temperature=0.0, max_tokens=8)
+    with grpc.insecure_channel(cluster.frontend_grpc_addr) as channel:
+        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        free = "".join(r.text for r in stub.Generate(generate_pb2.GenerateRequest(
+            text="The answer is", sampling_params=params), timeout=120))
+        responses = list(stub.Generate(generate_pb2.GenerateRequest(
+            text="The answer is", sampling_params=params,
+            structured_outputs=generate_pb2.StructuredOutputs(regex="[0-9]{1,3}")), timeout=120))
+        text = "".join(r.text for r in responses)
+        assert re.fullmatch("[0-9]{1,3}", text) and text != free
+        assert responses[-1].finish_reason == generate_pb2.GenerateResponse.FINISH_REASON_STOP
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(generate_pb2.GenerateRequest(
+                text="x", structured_outputs=generate_pb2.StructuredOutputs(regex="a(b")), timeout=60))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "structured_outputs.regex" in info.value.details()

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.pb import generate_pb2
+from services.common.structured_outputs import MAX_SPEC_CHARS
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 CHAT, COMPLETIONS, TOKENIZE, DETOKENIZE = "/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"
@@ -19,6 +20,10 @@ USER = [{"role": "user", "content": "Hi"}]
 # Bigger than the fake's and the default model's vocabulary, longer than either's context.
 OUTSIDE_VOCAB = 99999
 LONG_WORDS = "word " * 3000
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
+BAD_REGEX = "a(b"
+UNDEFINED_RULE_GRAMMAR = "root ::= missing_rule"
 
 
 @dataclass(frozen=True)
@@ -62,7 +67,6 @@ HTTP_CASES: dict[str, tuple[str, Any]] = {
     "chat-message-not-object": (CHAT, chat(messages=["hi"])),
     "chat-no-role": (CHAT, chat(messages=[{"content": "hi"}])),
     "chat-unknown-role": (CHAT, chat(messages=[{"role": "wizard", "content": "hi"}])),
-    "chat-tool-role": (CHAT, chat(messages=[{"role": "tool", "content": "42", "tool_call_id": "x"}])),
     "chat-no-content": (CHAT, chat(messages=[{"role": "user"}])),
     "chat-content-number": (CHAT, chat(messages=[{"role": "user", "content": 5}])),
     "chat-image-part": (CHAT, chat(messages=[{"role": "user", "content": [
@@ -103,10 +107,36 @@ HTTP_CASES: dict[str, tuple[str, Any]] = {
     "chat-logprobs-string": (CHAT, chat(logprobs="yes")),
     "chat-top-logprobs-high": (CHAT, chat(logprobs=True, top_logprobs=21)),
     "chat-top-logprobs-without-logprobs": (CHAT, chat(top_logprobs=3)),
-    "chat-tools": (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}])),
-    "chat-tool-choice": (CHAT, chat(tool_choice="required")),
     "chat-functions": (CHAT, chat(functions=[{"name": "f"}])),
-    "chat-response-format-json": (CHAT, chat(response_format={"type": "json_object"})),
+    "chat-response-format-and-structured-outputs": (CHAT, chat(response_format={"type": "json_object"},
+                                                                structured_outputs={"regex": "a+"})),
+    "chat-two-structured-outputs": (CHAT, chat(structured_outputs={"regex": "a+", "choice": ["a"]})),
+    "chat-regex-invalid": (CHAT, chat(structured_outputs={"regex": BAD_REGEX})),
+    "chat-grammar-not-compiling": (CHAT, chat(structured_outputs={"grammar": UNDEFINED_RULE_GRAMMAR})),
+    "chat-json-schema-invalid": (CHAT, chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": 3}}})),
+    "chat-json-schema-no-name": (CHAT, chat(response_format={"type": "json_schema", "json_schema": {
+        "schema": {"type": "object"}}})),
+    "chat-response-format-unknown-type": (CHAT, chat(response_format={"type": "xml"})),
+    "chat-choice-empty": (CHAT, chat(structured_outputs={"choice": []})),
+    "chat-structured-outputs-unknown-field": (CHAT, chat(structured_outputs={"pattern": "a+"})),
+    "chat-whitespace-pattern": (CHAT, chat(structured_outputs={"json": {"type": "object"},
+                                                               "whitespace_pattern": " "})),
+    "chat-constraint-too-long": (CHAT, chat(structured_outputs={"regex": "a" * (MAX_SPEC_CHARS + 1)})),
+    "chat-tool-choice-unknown-function": (CHAT, chat(tools=TOOLS, tool_choice={
+        "type": "function", "function": {"name": "nope"}})),
+    "chat-tool-choice-without-tools": (CHAT, chat(tool_choice="required")),
+    "chat-tool-choice-with-response-format": (CHAT, chat(tools=TOOLS, tool_choice="required",
+                                                         response_format={"type": "json_object"})),
+    "chat-tool-bad-name": (CHAT, chat(tools=[{"type": "function", "function": {"name": "bad name!"}}])),
+    "chat-tool-not-function": (CHAT, chat(tools=[{"type": "retrieval"}])),
+    "chat-parallel-tool-calls-string": (CHAT, chat(parallel_tool_calls="yes")),
+    "chat-tool-message-without-id": (CHAT, chat(messages=[*USER, {"role": "tool", "content": "42"}])),
+    "chat-user-tool-calls": (CHAT, chat(messages=[{"role": "user", "content": "Hi", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "add", "arguments": "{}"}}]}])),
+    "chat-tool-arguments-not-json": (CHAT, chat(tools=TOOLS, messages=[*USER, {"role": "assistant", "content": None,
+                                                "tool_calls": [{"id": "c", "type": "function", "function": {
+                                                    "name": "add", "arguments": "not json"}}]}])),
     "chat-modalities-audio": (CHAT, chat(modalities=["text", "audio"])),
     "chat-audio": (CHAT, chat(audio={"voice": "alloy", "format": "wav"})),
     "chat-reasoning-effort": (CHAT, chat(reasoning_effort="high")),
@@ -132,7 +162,8 @@ HTTP_CASES: dict[str, tuple[str, Any]] = {
     "completions-echo-with-logprobs": (COMPLETIONS, completion(echo=True, logprobs=1)),
     "completions-echo-string": (COMPLETIONS, completion(echo="yes")),
     "completions-suffix": (COMPLETIONS, completion(suffix="!")),
-    "completions-response-format-json": (COMPLETIONS, completion(response_format={"type": "json_object"})),
+    "completions-regex-invalid": (COMPLETIONS, completion(structured_outputs={"regex": BAD_REGEX})),
+    "completions-response-format-unknown-type": (COMPLETIONS, completion(response_format={"type": "xml"})),
     "completions-use-beam-search": (COMPLETIONS, completion(use_beam_search=True)),
     "completions-temperature-high": (COMPLETIONS, completion(temperature=9)),
     "completions-unknown-model": (COMPLETIONS, completion(model="nope")),
@@ -149,6 +180,8 @@ def _generate(**fields: Any) -> generate_pb2.GenerateRequest:
     return generate_pb2.GenerateRequest(sampling_params=generate_pb2.GenerateRequest.SamplingParams(**params), **fields)
 
 
+_SO = generate_pb2.StructuredOutputs
+
 # case -> (RPC name, request)
 GRPC_CASES: dict[str, tuple[str, Any]] = {
     "grpc-no-input": ("Generate", generate_pb2.GenerateRequest()),
@@ -163,6 +196,13 @@ GRPC_CASES: dict[str, tuple[str, Any]] = {
     "grpc-token-outside-vocab": ("Generate", _generate(
         token_ids=generate_pb2.GenerateRequest.TokenIds(token_ids=[10**6]))),
     "grpc-unknown-model": ("Generate", _generate(text="x", model="other")),
+    "grpc-structured-outputs-empty": ("Generate", _generate(text="x", structured_outputs=_SO())),
+    "grpc-regex-invalid": ("Generate", _generate(text="x", structured_outputs=_SO(regex=BAD_REGEX))),
+    "grpc-grammar-not-compiling": ("Generate", _generate(
+        text="x", structured_outputs=_SO(grammar=UNDEFINED_RULE_GRAMMAR))),
+    "grpc-json-schema-invalid": ("Generate", _generate(text="x", structured_outputs=_SO(json='{"type": 3}'))),
+    "grpc-json-not-json": ("Generate", _generate(text="x", structured_outputs=_SO(json="{not json"))),
+    "grpc-choice-empty": ("Generate", _generate(text="x", structured_outputs=_SO(choice=_SO.Choices()))),
     "grpc-tokenize-unknown-model": ("Tokenize", generate_pb2.TokenizeRequest(text="x", model="other")),
     "grpc-abort-unknown-id": ("Abort", generate_pb2.AbortRequest(request_id="no-such-request")),
 }

@@ -172,7 +172,30 @@ def test_generate_request_becomes_a_completion_request():
     assert (by_ids.prompt, by_ids.options.model, by_ids.options.max_tokens) == ([4, 5], None, None)
 
 
+def test_structured_outputs_read_as_the_http_field():
+    from services.common.structured_outputs import StructuredOutputsParams as P
+
+    SO = pb.StructuredOutputs
+    cases = [
+        (SO(regex="[0-9]+"), P("regex", "[0-9]+"), "structured_outputs.regex"),
+        (SO(json='{"type": "object"}', any_whitespace=True), P("json", '{"type": "object"}', any_whitespace=True),
+         "structured_outputs.json"),
+        (SO(choice=SO.Choices(choices=["a", "b"])), P("choice", '["a", "b"]'), "structured_outputs.choice"),
+        (SO(json_object=True), P("json_object"), "structured_outputs.json_object"),
+        (SO(grammar='root ::= "x"'), P("grammar", 'root ::= "x"'), "structured_outputs.grammar"),
+    ]
+    for so, params, param in cases:
+        options = grpc_codec.generate_request_from_pb(pb.GenerateRequest(text="x", structured_outputs=so)).options
+        assert (options.sampling_params.structured_outputs, options.constraint_param) == (params, param)
+    unset = grpc_codec.generate_request_from_pb(pb.GenerateRequest(text="x")).options
+    assert unset.sampling_params.structured_outputs is None
+
+
 @pytest.mark.parametrize("request_, param", [
+    (pb.GenerateRequest(text="x", structured_outputs=pb.StructuredOutputs()), "structured_outputs"),
+    (pb.GenerateRequest(text="x", structured_outputs=pb.StructuredOutputs(json="[1]")), "structured_outputs.json"),
+    (pb.GenerateRequest(text="x", structured_outputs=pb.StructuredOutputs(choice=pb.StructuredOutputs.Choices())),
+     "structured_outputs.choice"),
     (pb.GenerateRequest(), "input"),
     (pb.GenerateRequest(text=""), "text"),
     (pb.GenerateRequest(text="x", stop=["a", ""]), "stop"),

@@ -4,6 +4,7 @@
 - `cache.cu` / `cache_ops.py`: reshape_and_cache;
 - `attention.cu` / `attention_ops.py`: paged attention (mixed batch, GQA, split-K + combine);
 - `sampling.cu` / `sampling_ops.py`: sparse logits processors and the per-row sampler;
+- `bitmask.cu` / `bitmask_ops.py`: a grammar's allowed-token bitmask applied to the logits;
 - `loader.py`: the module list, template instances and the cached CuPy loader / launcher;
 - `launch.py`: the launch description shared by CuPy and the CPU test shim;
 - `nvrtc.py`: compile check and resource report without a GPU.

@@ -40,12 +40,25 @@ class GrammarState:
         return self.matcher.is_terminated()
 
 
-def fill_bitmask(states: list[GrammarState | None], bitmask: torch.Tensor) -> list[int]:
-    """Fills row i of `bitmask` for each row whose state is set and still constrains; returns those
-    rows (the others' bitmask rows are left as they are and must not be read)."""
-    rows = []
-    for i, state in enumerate(states):
-        if state is not None and not state.is_terminated:
-            state.matcher.fill_next_token_bitmask(bitmask, i)
-            rows.append(i)
-    return rows
+class GrammarBitmask:
+    """The step's allowed-token bitmask: one host buffer [max_num_seqs, vocab / 32], made on first use."""
+
+    def __init__(self, max_num_rows: int, vocab_size: int):
+        self.max_num_rows = max_num_rows
+        self.vocab_size = vocab_size
+        self._buffer: torch.Tensor | None = None
+
+    def fill(self, states: list[GrammarState | None]) -> tuple[torch.Tensor, list[int]]:
+        """The bitmask for logits rows `states` (row i for states[i]) and the rows it constrains:
+        those whose state is set and not past the grammar's end (other rows must not be read)."""
+        if self._buffer is None:
+            import xgrammar as xgr
+
+            self._buffer = xgr.allocate_token_bitmask(self.max_num_rows, self.vocab_size)
+        bitmask = self._buffer[: len(states)]
+        rows = []
+        for i, state in enumerate(states):
+            if state is not None and not state.is_terminated:
+                state.matcher.fill_next_token_bitmask(bitmask, i)
+                rows.append(i)
+        return bitmask, rows
