@@ -14,6 +14,7 @@ import dataclasses
 from itertools import accumulate, chain
 
 from services.common import messages
+from services.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, to_int64
 from services.common.pb import engine_core_pb2 as ec_pb
 from services.common.structured_outputs import StructuredOutputsParams
 
@@ -279,3 +280,36 @@ def engine_info_to_pb(info: messages.EngineInfo) -> ec_pb.GetEngineInfoResponse:
 
 def engine_info_from_pb(msg: ec_pb.GetEngineInfoResponse) -> messages.EngineInfo:
     return flat_from_pb(messages.EngineInfo, msg)
+
+
+# --- prefix-cache events (engine core -> frontend) -------------------------------------------------
+def kv_event_batch_to_pb(batch: KVEventBatch) -> ec_pb.KvEventBatch:
+    msg = ec_pb.KvEventBatch(sequence_number=batch.sequence_number, timestamp=batch.timestamp)
+    for event in batch.events:
+        if isinstance(event, BlockStored):
+            stored = ec_pb.KvBlocksStored(block_hashes=[to_int64(h) for h in event.block_hashes],
+                                          token_ids=event.token_ids, block_size=event.block_size)
+            if event.parent_block_hash is not None:
+                stored.parent_block_hash = to_int64(event.parent_block_hash)
+            msg.events.add(stored=stored)
+        elif isinstance(event, BlockRemoved):
+            msg.events.add(removed=ec_pb.KvBlocksRemoved(block_hashes=[to_int64(h) for h in event.block_hashes]))
+        else:
+            msg.events.add(cleared=ec_pb.KvAllBlocksCleared())
+    return msg
+
+
+def kv_event_batch_from_pb(msg: ec_pb.KvEventBatch) -> KVEventBatch:
+    """Hashes stay signed 64-bit, as the engine gRPC API sends them."""
+    events: list = []
+    for event in msg.events:
+        kind = event.WhichOneof("event")
+        if kind == "stored":
+            s = event.stored
+            events.append(BlockStored(list(s.block_hashes), s.parent_block_hash if s.HasField("parent_block_hash")
+                                      else None, list(s.token_ids), s.block_size))
+        elif kind == "removed":
+            events.append(BlockRemoved(list(event.removed.block_hashes)))
+        elif kind == "cleared":
+            events.append(AllBlocksCleared())
+    return KVEventBatch(msg.sequence_number, msg.timestamp, events)

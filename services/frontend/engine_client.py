@@ -20,6 +20,7 @@ import grpc
 from services.common import codec
 from services.common.gc_tuning import freeze_startup_objects
 from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.kv_events import KVEventBatch
 from services.common.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -117,6 +118,23 @@ class EngineClient:
     async def get_stats(self) -> tuple[SchedulerStats, bool]:
         response = await self._stub.GetStats(engine_core_pb2.GetStatsRequest(), timeout=5)
         return codec.scheduler_stats_from_pb(response.scheduler_stats), response.is_worker_alive
+
+    async def reset_prefix_cache(self) -> bool:
+        try:
+            response = await self._stub.ResetPrefixCache(engine_core_pb2.ResetPrefixCacheRequest(), timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            raise EngineError(f"the scheduler did not reset its prefix cache: {exc.details()}", "unavailable") from exc
+        return response.done
+
+    async def subscribe_kv_events(self) -> AsyncIterator[KVEventBatch]:
+        call = self._stub.SubscribeKvEvents(engine_core_pb2.SubscribeKvEventsRequest())
+        try:
+            async for batch in call:
+                yield codec.kv_event_batch_from_pb(batch)
+        except grpc.aio.AioRpcError as exc:
+            raise EngineError(f"the scheduler's KV event stream ended: {exc.details()}", "unavailable") from exc
+        finally:
+            call.cancel()
 
     # --- internals -----------------------------------------------------------------------------------
     async def _write(self, message: engine_core_pb2.ConnectRequest) -> None:

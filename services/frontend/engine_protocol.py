@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import AsyncIterator, Protocol
 
+from services.common.kv_events import KVEventBatch
 from services.common.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineInfo, SchedulerStats
 
 
@@ -35,4 +36,13 @@ class EngineClientProtocol(Protocol):
 
     async def get_stats(self) -> tuple[SchedulerStats, bool]:
         """The scheduler's stats now, and whether its worker is alive."""
+        ...
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forgets the engine's cached prefixes; False while requests hold KV blocks."""
+        ...
+
+    def subscribe_kv_events(self) -> AsyncIterator[KVEventBatch]:
+        """The engine's prefix-cache events from now on, a batch per step that had any (the first
+        clears what an earlier engine held); raises EngineError when the stream ends."""
         ...

@@ -90,6 +90,9 @@ class BlockPool:
         self.null_block.ref_cnt = 1  # held forever, so it is never free
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
         self.cached_block_hash_to_block: dict[int, KVCacheBlock] = {}
+        # Hashes evicted since the last `take_removed_hashes`, kept only while someone listens
+        # (the engine gRPC API's KV events); None otherwise, so the common case costs a test.
+        self.removed_hashes: list[int] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -125,13 +128,25 @@ class BlockPool:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
 
-    def cache_full_block(self, block: KVCacheBlock, block_hash: int) -> None:
+    def cache_full_block(self, block: KVCacheBlock, block_hash: int) -> bool:
+        """Registers a full block under its hash; False if it was not (caching off, already
+        registered, or an identical block is cached already and this copy stays unhashed)."""
         if not self.enable_caching or block.block_hash is not None:
-            return
+            return False
         if block_hash in self.cached_block_hash_to_block:
-            return  # an identical block is cached already; this copy stays unhashed
+            return False
         block.block_hash = block_hash
         self.cached_block_hash_to_block[block_hash] = block
+        return True
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached hash; refused (False) while any block is held by a request."""
+        if self.num_free_blocks != self.num_usable_blocks:
+            return False
+        for block in self.cached_block_hash_to_block.values():
+            block.block_hash = None
+        self.cached_block_hash_to_block.clear()
+        return True
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drops one reference per block; blocks reaching zero go to the back of the free queue.
@@ -152,4 +167,6 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached_block_hash_to_block.get(block.block_hash) is block:
                 del self.cached_block_hash_to_block[block.block_hash]
+                if self.removed_hashes is not None:
+                    self.removed_hashes.append(block.block_hash)
             block.block_hash = None

@@ -21,9 +21,11 @@ from collections import deque
 from typing import Callable
 
 from services.common.gc_tuning import freeze_startup_objects
+from services.common.kv_events import AllBlocksCleared
 from services.common.messages import EngineCoreOutputs, EngineCoreRequest, EngineInfo, SchedulerOutput, SchedulerStats
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.executor import Executor
+from services.scheduler.kv_event_publisher import KVEventPublisher
 from services.scheduler.output_router import OutputRouter, error_outputs
 from services.scheduler.request import Request
 from services.scheduler.request_validation import RequestRejected
@@ -46,6 +48,7 @@ class EngineCore:
         self.is_worker_alive = False
         self.is_draining = False
         self._on_health_change = on_health_change or (lambda serving: None)
+        self.kv_events = KVEventPublisher()
         self._pending_adds: list[Request] = []
         self._pending_aborts: list[str] = []
         self._wakeup = asyncio.Event()
@@ -92,6 +95,31 @@ class EngineCore:
 
     def wake(self) -> None:
         self._wakeup.set()
+
+    # --- the prefix cache, for the engine gRPC API ----------------------------------------------------
+    def subscribe_kv_events(self) -> asyncio.Queue:
+        """Prefix-cache event batches from now on (kv_event_publisher.py)."""
+        queue = self.kv_events.subscribe()
+        if self.scheduler is not None:
+            self.scheduler.kv_cache_manager.enable_events(True)
+        return queue
+
+    def unsubscribe_kv_events(self, queue: asyncio.Queue) -> None:
+        self.kv_events.unsubscribe(queue)
+        if not self.kv_events.has_subscribers and self.scheduler is not None:
+            self.scheduler.kv_cache_manager.enable_events(False)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix; False (nothing done) while a request holds KV blocks."""
+        if self.scheduler is None or self._pending_adds:
+            return False
+        done = self.scheduler.kv_cache_manager.reset_prefix_cache()
+        self._publish_kv_events(self.scheduler)
+        return done
+
+    def _publish_kv_events(self, scheduler: Scheduler) -> None:
+        if self.kv_events.has_subscribers:
+            self.kv_events.publish(scheduler.kv_cache_manager.take_events())
 
     def fail_remaining(self, message: str) -> None:
         """Used at the end of a drain: whatever still runs is finished with an error."""
@@ -158,6 +186,8 @@ class EngineCore:
                 self._publish(error_outputs(failed, f"model execution failed: {exc}", "internal"), scheduler)
                 continue
             self._publish(scheduler.update_from_output(step, runner_output), scheduler)
+            if self.kv_events.has_subscribers:
+                self._publish_kv_events(scheduler)
             if step.total_num_scheduled_tokens == 0 and not in_flight:
                 await asyncio.sleep(0.001)  # nothing fit this step; let frees and aborts arrive
 
@@ -169,6 +199,9 @@ class EngineCore:
         # The block pool (one object per KV block, often 1e5) lives as long as the engine: keep it out of
         # the collector's full passes, each of which would otherwise stall a step for tens of ms.
         freeze_startup_objects()
+        if self.kv_events.has_subscribers:  # a new cache: subscribers forget what the old one held
+            self.scheduler.kv_cache_manager.enable_events(True)
+            self.kv_events.publish([AllBlocksCleared()])
         self.info = EngineInfo(
             model_name=spec.model_name,
             max_model_len=self.scheduler.max_model_len,

@@ -8,6 +8,7 @@ import hashlib
 import struct
 from dataclasses import dataclass
 
+from services.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from services.scheduler.block_pool import BlockPool, KVCacheBlock
 from services.scheduler.request import Request
 
@@ -44,6 +45,34 @@ class KVCacheManager:
         # `allocate_slots` (a call per running request per step) while the held blocks suffice.
         self.num_slots_held: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
+        # Prefix-cache events since the last `take_events`, recorded only while enabled.
+        self._events: list[KVCacheEvent] | None = None
+
+    # --- events (the engine gRPC API's SubscribeKvEvents) ------------------------------------------
+    def enable_events(self, is_enabled: bool) -> None:
+        """Starts (or stops) recording stored and removed blocks; off, they cost nothing."""
+        if is_enabled and self._events is None:
+            self._events, self.block_pool.removed_hashes = [], []
+        elif not is_enabled:
+            self._events = self.block_pool.removed_hashes = None
+
+    def take_events(self) -> list[KVCacheEvent]:
+        if self._events is None:
+            return []
+        events, removed = self._events, self.block_pool.removed_hashes
+        self._events, self.block_pool.removed_hashes = [], []
+        if removed:  # evictions happen as blocks are allocated, before this step's stores
+            events.insert(0, BlockRemoved(removed))
+        return events
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix; refused (False) while a request holds blocks."""
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        if self._events is not None:
+            self._events.append(AllBlocksCleared())
+            self.block_pool.removed_hashes = []
+        return True
 
     # --- lookups ---------------------------------------------------------------------------------
     def usage(self) -> float:
@@ -150,9 +179,28 @@ class KVCacheManager:
         self.update_block_hashes(request)
         blocks = self.req_to_blocks.get(request.request_id, [])
         num_full = min(num_computed_tokens // self.block_size, len(request.block_hashes), len(blocks))
+        stored = []
         for i in range(start, num_full):
-            self.block_pool.cache_full_block(blocks[i], request.block_hashes[i])
+            if self.block_pool.cache_full_block(blocks[i], request.block_hashes[i]):
+                stored.append(i)
         self.num_cached_blocks[request.request_id] = max(start, num_full)
+        if self._events is not None and stored:
+            self._record_stored(request, stored)
+
+    def _record_stored(self, request: Request, indices: list[int]) -> None:
+        """One event per run of consecutive blocks, chained to the block before it."""
+        bs, hashes = self.block_size, request.block_hashes
+        runs: list[list[int]] = []
+        for i in indices:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            first, last = run[0], run[-1]
+            self._events.append(BlockStored(
+                block_hashes=[hashes[i] for i in run], parent_block_hash=hashes[first - 1] if first else None,
+                token_ids=list(request.all_token_ids[first * bs:(last + 1) * bs]), block_size=bs))
 
     def free(self, request: Request) -> None:
         """Returns all the request's blocks; tail blocks first so they are evicted first."""

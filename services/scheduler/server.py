@@ -69,6 +69,21 @@ class EngineCoreServicer(engine_core_pb2_grpc.EngineCoreServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is not ready")
         return codec.engine_info_to_pb(info)
 
+    async def ResetPrefixCache(self, request, context: grpc.aio.ServicerContext):
+        return engine_core_pb2.ResetPrefixCacheResponse(done=self.engine.reset_prefix_cache())
+
+    async def SubscribeKvEvents(self, request, context: grpc.aio.ServicerContext):
+        queue = self.engine.subscribe_kv_events()
+        try:
+            while True:
+                batch = await queue.get()
+                if batch is None:
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                        "the subscriber fell too far behind the KV events; subscribe again")
+                yield codec.kv_event_batch_to_pb(batch)
+        finally:
+            self.engine.unsubscribe_kv_events(queue)
+
     async def GetStats(self, request, context: grpc.aio.ServicerContext):
         return engine_core_pb2.GetStatsResponse(
             scheduler_stats=codec.scheduler_stats_to_pb(self.engine.get_stats()),
