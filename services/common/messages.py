@@ -59,8 +59,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
-    # The output constraint; None is free text. Logprobs stay the model's raw ones (before the
-    # grammar's mask), as vLLM reports by default; the sampled token is the constrained choice.
+    # The output constraint; None is free text. Logprobs are then the constrained distribution's
+    # (the model's, renormalised over the tokens the grammar allows), the one the token is drawn from.
     structured_outputs: StructuredOutputsParams | None = None
 
     @property

@@ -81,12 +81,6 @@ def _from_structured_outputs(so: Any) -> tuple[StructuredOutputsParams, str] | N
     unknown = sorted(set(so) - set(_SO_KINDS) - _SO_OPTIONS)
     if unknown:
         raise invalid_request(f"Unknown field structured_outputs.{unknown[0]}.", param=f"structured_outputs.{unknown[0]}")
-    kinds = [k for k in _SO_KINDS if so.get(k) not in (None, False)]
-    if not kinds:
-        return None
-    if len(kinds) > 1:
-        raise invalid_request(f"Give exactly one of structured_outputs.{', '.join(_SO_KINDS)} (got {', '.join(kinds)}).",
-                              param="structured_outputs")
     for option in ("disable_fallback", "disable_additional_properties"):
         if so.get(option) not in (None, False, True):
             raise invalid_request(f"structured_outputs.{option} must be a boolean.", param=f"structured_outputs.{option}")
@@ -97,6 +91,12 @@ def _from_structured_outputs(so: Any) -> tuple[StructuredOutputsParams, str] | N
     if not isinstance(compact, bool):
         raise invalid_request("structured_outputs.disable_any_whitespace must be a boolean.",
                               param="structured_outputs.disable_any_whitespace")
+    kinds = [k for k in _SO_KINDS if so.get(k) not in (None, False)]
+    if not kinds:
+        return None
+    if len(kinds) > 1:
+        raise invalid_request(f"Give exactly one of structured_outputs.{', '.join(_SO_KINDS)} (got {', '.join(kinds)}).",
+                              param="structured_outputs")
     kind = kinds[0]
     value, param = so[kind], f"structured_outputs.{kind}"
     if kind == "json":

@@ -44,7 +44,8 @@ def _refuse(body: dict[str, Any], fields: dict[str, tuple]) -> None:
     for name, off_values in fields.items():
         value = body.get(name)
         if not any(value == off and type(value) is type(off) or value is off for off in off_values):
-            raise invalid_request(f"'{name}' is not supported (got {_short(value)}).", param=name)
+            hint = " Use 'structured_outputs'." if name.startswith("guided_") else ""
+            raise invalid_request(f"'{name}' is not supported (got {_short(value)}).{hint}", param=name)
 
 
 def _short(value: Any) -> str:
