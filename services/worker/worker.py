@@ -77,10 +77,12 @@ class Worker:
         )
         backend = platform.attention_backend
         eos_ids = eos_token_ids(resolved.path)
+        grammar_compiler = GrammarCompiler(resolved.path, hf_config.vocab_size, eos_ids)
+        grammar_compiler.warm_up()
         self.model_runner = ModelRunner(
             model, runner_config, platform.device, backend, layout,
             vocab_size=hf_config.vocab_size, eos_token_ids=eos_ids, sampler=platform.sampler,
-            grammar_compiler=GrammarCompiler(resolved.path, hf_config.vocab_size, eos_ids),
+            grammar_compiler=grammar_compiler,
         )
         self.kv_cache_spec = KVCacheSpec(
             block_size=self.config.block_size,
