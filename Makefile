@@ -9,11 +9,15 @@ PROTOS := $(wildcard proto/spindle/v1/*.proto)
 GEN_STAMP := $(GEN_DIR)/.stamp
 PYTEST_ARGS ?=
 PHOENIX_VENV ?= .venv-phoenix
+SMG_VENV ?= .venv-smg
+SMG_VERSION := 1.13.0
+GATEWAY_PORT ?= 8080
+ENGINE_GRPC_ADDR ?= 127.0.0.1:50055
 IMAGE_PREFIX ?=
 IMAGE_TAG ?= 0.1.0
 DOCKER ?= docker
 
-.PHONY: install proto run test test-slow test-kernels-tsan gpu-check traces test-prometheus bench clean images lint-docker k8s-validate
+.PHONY: gateway install proto run test test-slow test-kernels-tsan gpu-check traces test-prometheus bench clean images lint-docker k8s-validate
 
 install: $(STAMP) $(GEN_STAMP)
 
@@ -55,6 +59,18 @@ test-kernels-tsan: install
 # kernel tests on the device, end-to-end greedy parity with --device cuda, kernel benchmark.
 gpu-check: install
 	PY=$(PY) bash scripts/gpu_check.sh
+
+# The SMG gateway (a Rust binary in its own venv) in front of a running engine's VllmEngine port
+# (`make run` serves it on 127.0.0.1:50055): OpenAI chat/completions, /v1/responses and Anthropic's
+# /v1/messages on http://127.0.0.1:$(GATEWAY_PORT). It fetches the tokenizer with GetTokenizer.
+$(SMG_VENV)/.installed:
+	test -x $(SMG_VENV)/bin/python || $(PYTHON) -m venv $(SMG_VENV)
+	$(SMG_VENV)/bin/pip install -q smg==$(SMG_VERSION)
+	touch $@
+
+gateway: $(SMG_VENV)/.installed
+	$(SMG_VENV)/bin/smg launch --host 127.0.0.1 --port $(GATEWAY_PORT) --worker-urls grpc://$(ENGINE_GRPC_ADDR) \
+		--policy cache_aware --tool-call-parser json
 
 # A local trace UI for `make run`: Arize Phoenix in its own venv (OTLP/gRPC on 4317, UI on http://127.0.0.1:6006).
 # Then: OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4317 make run

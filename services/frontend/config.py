@@ -14,12 +14,21 @@ from services.common.service_auth import (
 from services.common.telemetry import TelemetryConfig, add_telemetry_flags, telemetry_config_from_args
 from services.frontend.public_edge import EdgeConfig, add_edge_flags, edge_config_from_args
 
+DEFAULT_ENGINE_GRPC_PORT = 50055
+ENGINE_GRPC_OFF = -1
+
 
 @dataclass(frozen=True)
 class FrontendConfig:
     http_host: str = "127.0.0.1"
     http_port: int = 8000
     grpc_addr: str = "127.0.0.1:50051"
+    # vLLM's engine protocol (VllmEngine) on the GenerateService's host: 0 any free port, -1 off. The
+    # flag's default is 50055; a config built in code (tests, embedding) takes a free port unless told.
+    engine_grpc_port: int = 0
+    # "api-keys": the engine port asks for the API keys as the public faces do; "none": it asks for
+    # nothing (SMG 1.13 sends no credentials), for a port only the gateway can reach.
+    engine_grpc_auth: str = "api-keys"
     scheduler_addr: str = "127.0.0.1:50052"
     # Model name or path given to `resolve_model`; None means the embedded default model.
     model: str | None = None
@@ -34,6 +43,8 @@ class FrontendConfig:
     chat_template: str | None = None
     # Parses `tool_choice: auto` output into tool calls: "hermes" or "llama3_json".
     tool_call_parser: str = "hermes"
+    # JSON object of sampling defaults over the model's generation_config.json ones.
+    override_generation_config: str | None = None
     # The OTLP traces endpoint; metrics are served on the HTTP port (/metrics), so no metrics port.
     telemetry: TelemetryConfig = TelemetryConfig()
     # The public ports' guards: API keys, /metrics behind them or not, request size limits.
@@ -44,6 +55,11 @@ class FrontendConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.http_port <= 65535:
             raise ValueError(f"--http-port must be in [0, 65535], got {self.http_port}")
+        if not ENGINE_GRPC_OFF <= self.engine_grpc_port <= 65535:
+            raise ValueError(f"--engine-grpc-port must be in [0, 65535] or {ENGINE_GRPC_OFF} (off), "
+                             f"got {self.engine_grpc_port}")
+        if self.engine_grpc_auth not in ("api-keys", "none"):
+            raise ValueError(f"--engine-grpc-auth must be api-keys or none, got {self.engine_grpc_auth!r}")
         for flag, addr in (("--frontend-grpc-addr", self.grpc_addr), ("--scheduler-addr", self.scheduler_addr)):
             if ":" not in addr:
                 raise ValueError(f"{flag} must be host:port, got {addr!r}")
@@ -58,6 +74,8 @@ class FrontendConfig:
             http_host=ns.http_host,
             http_port=ns.http_port,
             grpc_addr=ns.frontend_grpc_addr,
+            engine_grpc_port=ns.engine_grpc_port,
+            engine_grpc_auth=ns.engine_grpc_auth,
             scheduler_addr=ns.scheduler_addr,
             model=ns.model or None,
             served_model_name=ns.served_model_name or None,
@@ -67,6 +85,7 @@ class FrontendConfig:
             log_level=ns.log_level,
             chat_template=ns.chat_template or None,
             tool_call_parser=ns.tool_call_parser,
+            override_generation_config=ns.override_generation_config or None,
             telemetry=telemetry_config_from_args(ns),
             edge=edge_config_from_args(ns),
             scheduler_auth=service_auth_config_from_args(ns),
@@ -85,6 +104,12 @@ def add_frontend_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--http-host", default="127.0.0.1", help="address the OpenAI HTTP API listens on")
     add_flag(parser, "--http-port", type=int, default=8000, help="port of the OpenAI HTTP API (0: any free port)")
     add_flag(parser, "--frontend-grpc-addr", default="127.0.0.1:50051", help="host:port of the GenerateService")
+    add_flag(parser, "--engine-grpc-port", type=int, default=DEFAULT_ENGINE_GRPC_PORT,
+             help="port of vLLM's engine gRPC protocol (VllmEngine, for gateways such as SMG) on the "
+                  f"--frontend-grpc-addr host (0: any free port, {ENGINE_GRPC_OFF}: off)")
+    add_flag(parser, "--engine-grpc-auth", default="api-keys",
+             help="api-keys: the engine port asks for --api-key as the public faces do; none: it asks for "
+                  "nothing (a gateway that sends no credentials, such as SMG 1.13, on a port only it can reach)")
     add_flag(parser, "--scheduler-addr", default="127.0.0.1:50052", help="host:port of the scheduler")
     add_flag(parser, "--model", default=None, help="model name or path (default: the embedded SmolLM2-135M)")
     add_flag(parser, "--served-model-name", default=None, help="model name clients send (default: the model's)")
@@ -92,6 +117,9 @@ def add_frontend_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--max-model-len", type=int, default=None, help="lower the engine's context length")
     add_flag(parser, "--chat-template", default=None,
              help="Jinja chat template file used instead of the model's own (tools reach it as `tools`)")
+    add_flag(parser, "--override-generation-config", default=None,
+             help='JSON sampling defaults for unset request fields, over generation_config.json\'s '
+                  '(temperature, top_p, top_k, min_p, repetition_penalty), e.g. \'{"temperature": 0.5}\'')
     add_flag(parser, "--tool-call-parser", default="hermes",
              help="parser of tool calls in tool_choice=auto output: hermes or llama3_json")
     add_telemetry_flags(parser)

@@ -52,17 +52,17 @@ def status_code(err: APIError) -> grpc.StatusCode:
     return _STATUS_CODES.get(err.status, grpc.StatusCode.INTERNAL)
 
 
-def _as_status(unary):
+def as_status(unary):
     """Runs a unary handler, turning the frontend's errors into status codes."""
     @functools.wraps(unary)
     async def handler(self, request, context):
         try:
             return await unary(self, request, context)
         except APIError as err:
-            await context.abort(status_code(err), _describe(err))
+            await context.abort(status_code(err), describe_error(err))
         except EngineError as exc:
             err = from_engine_error(exc)
-            await context.abort(status_code(err), _describe(err))
+            await context.abort(status_code(err), describe_error(err))
     return handler
 
 
@@ -80,14 +80,14 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             async for response in self._generate(request, caller_identity(self.api_keys, context)):
                 yield response
         except APIError as err:
-            await context.abort(status_code(err), _describe(err))
+            await context.abort(status_code(err), describe_error(err))
         except EngineError as exc:
             err = from_engine_error(exc)
-            await context.abort(status_code(err), _describe(err))
+            await context.abort(status_code(err), describe_error(err))
         except RequestAborted:
             await context.abort(grpc.StatusCode.CANCELLED, "aborted by an Abort call")
 
-    @_as_status
+    @as_status
     async def Tokenize(self, request: generate_pb2.TokenizeRequest, context: Any) -> generate_pb2.TokenizeResponse:
         serving = self.serving
         serving.check_model(request.model or None)
@@ -98,7 +98,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             token_ids=token_ids, tokens=await serving.async_tokenizer.convert_ids_to_tokens(token_ids),
             max_model_len=serving.max_model_len)
 
-    @_as_status
+    @as_status
     async def GetModelInfo(self, request: generate_pb2.GetModelInfoRequest, context: Any
                            ) -> generate_pb2.GetModelInfoResponse:
         serving = self.serving
@@ -106,7 +106,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         return model_info_to_pb(serving.model.name, serving.max_model_len, serving.model.eos_token_ids,
                                 serving.engine_client.info)
 
-    @_as_status
+    @as_status
     async def Abort(self, request: generate_pb2.AbortRequest, context: Any) -> generate_pb2.AbortResponse:
         event = self._running.get((caller_identity(self.api_keys, context), request.request_id))
         if event is None:  # unknown, finished, or another caller's: all look the same
@@ -137,7 +137,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         try:
             with serving.state.track():
                 async with aclosing(serving.generate_choices(choices)) as deltas, \
-                        aclosing(_until_set(deltas, aborted)) as until_aborted:
+                        aclosing(until_set(deltas, aborted)) as until_aborted:
                     async for index, delta in until_aborted:
                         yield generate_response_to_pb(response_id, index, delta, len(prompt_token_ids),
                                                       choices[index].num_output_tokens)
@@ -145,7 +145,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             self._running.pop(key, None)
 
 
-async def _until_set(stream: AsyncIterator[Any], event: asyncio.Event) -> AsyncIterator[Any]:
+async def until_set(stream: AsyncIterator[Any], event: asyncio.Event) -> AsyncIterator[Any]:
     """Yields from `stream` until it ends, or raises RequestAborted once `event` is set.
 
     The pending read is cancelled on the way out, which closes `stream` (aborting its requests).
@@ -176,5 +176,5 @@ async def _until_set(stream: AsyncIterator[Any], event: asyncio.Event) -> AsyncI
                 await pending
 
 
-def _describe(err: APIError) -> str:
+def describe_error(err: APIError) -> str:
     return f"{err.message} (param: {err.param})" if err.param else err.message

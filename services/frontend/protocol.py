@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 from services.common.messages import SamplingParams
 from services.common.sampling_limits import MAX_LOGPROBS, MAX_N, sampling_params_violation
@@ -68,17 +68,19 @@ class CompletionRequest:
     options: GenerationOptions
 
 
-def parse_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
+def parse_chat_request(body: dict[str, Any], defaults: Mapping[str, float] | None = None) -> ChatCompletionRequest:
+    """`defaults`: the model's sampling defaults for unset fields (generation_defaults.py)."""
     refuse_unsupported_chat_fields(body)
     messages = _parse_messages(body.get("messages"))
     tool_choice = parse_tool_choice(body)
     forced = tool_choice.forced_constraint() if tool_choice is not None and tool_choice.is_forced else None
-    return ChatCompletionRequest(messages=messages, options=_parse_options(body, True, forced), tool_choice=tool_choice)
+    return ChatCompletionRequest(messages=messages, options=_parse_options(body, True, defaults or {}, forced),
+                                 tool_choice=tool_choice)
 
 
-def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
+def parse_completion_request(body: dict[str, Any], defaults: Mapping[str, float] | None = None) -> CompletionRequest:
     refuse_unsupported_completion_fields(body)
-    return CompletionRequest(prompt=_parse_prompt(body.get("prompt")), options=_parse_options(body, False))
+    return CompletionRequest(prompt=_parse_prompt(body.get("prompt")), options=_parse_options(body, False, defaults or {}))
 
 
 def check_sampling_params(p: SamplingParams) -> None:
@@ -170,7 +172,7 @@ def _parse_prompt(prompt: Any) -> str | list[int]:
 
 
 # --- sampling options ----------------------------------------------------------------------------
-def _parse_options(body: dict[str, Any], is_chat: bool,
+def _parse_options(body: dict[str, Any], is_chat: bool, defaults: Mapping[str, float],
                    forced_tools: StructuredOutputsParams | None = None) -> GenerationOptions:
     model = body.get("model")
     _check(model is None or isinstance(model, str), "model", "'model' must be a string.")
@@ -184,7 +186,7 @@ def _parse_options(body: dict[str, Any], is_chat: bool,
         max_tokens_param, max_tokens = "max_completion_tokens", _integer(body, "max_completion_tokens", None)
     _check(max_tokens is None or max_tokens > 0, max_tokens_param, f"'{max_tokens_param}' must be at least 1.")
 
-    top_k = _integer(body, "top_k", 0)
+    top_k = _integer(body, "top_k", int(defaults.get("top_k", 0)))
     stop = _parse_stop(body.get("stop"))
     is_stream = _boolean(body, "stream", False)
     stream_options = body.get("stream_options")
@@ -208,14 +210,14 @@ def _parse_options(body: dict[str, Any], is_chat: bool,
 
     params = SamplingParams(
         n=n,
-        temperature=_number(body, "temperature", 1.0),
-        top_p=_number(body, "top_p", 1.0),
+        temperature=_number(body, "temperature", defaults.get("temperature", 1.0)),
+        top_p=_number(body, "top_p", defaults.get("top_p", 1.0)),
         top_k=0 if top_k == -1 else top_k,  # vLLM spells "disabled" as -1
-        min_p=_number(body, "min_p", 0.0),
+        min_p=_number(body, "min_p", defaults.get("min_p", 0.0)),
         seed=_integer(body, "seed", None),
         presence_penalty=_number(body, "presence_penalty", 0.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0),
-        repetition_penalty=_number(body, "repetition_penalty", 1.0),
+        repetition_penalty=_number(body, "repetition_penalty", defaults.get("repetition_penalty", 1.0)),
         logit_bias=_parse_logit_bias(body.get("logit_bias")),
         max_tokens=max_tokens or 1,
         min_tokens=_integer(body, "min_tokens", 0),

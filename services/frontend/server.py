@@ -1,4 +1,5 @@
-"""Runs the frontend: the OpenAI HTTP API and the gRPC GenerateService in one asyncio loop.
+"""Runs the frontend: the OpenAI HTTP API, the gRPC GenerateService and vLLM's engine gRPC protocol
+(`VllmEngine`, its own gRPC server on --engine-grpc-port) in one asyncio loop.
 
 Start-up: resolve the model folder, load the tokenizer, connect to the scheduler, listen on HTTP and
 gRPC, log one ready line. SIGTERM/SIGINT: /health and gRPC health turn NOT_SERVING, new requests
@@ -11,8 +12,10 @@ import asyncio
 import contextlib
 import logging
 import sys
+from pathlib import Path
 
 from aiohttp import web
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from services.common.grpc_server import GrpcServer, install_stop_signals
 from services.common.logging_setup import setup_logging
@@ -20,12 +23,16 @@ from services.common.pb import generate_pb2_grpc
 from services.common.telemetry import client_interceptors, server_interceptors, setup_tracing
 from services.frontend.api_keys import ApiKeyInterceptor, ApiKeys
 from services.frontend.app import create_app
-from services.frontend.config import FrontendConfig
+from services.frontend.config import ENGINE_GRPC_OFF, FrontendConfig
 from services.frontend.engine_protocol import EngineClientProtocol
 from services.frontend.grpc_service import SERVICE_NAME, GenerateServicer
 from services.frontend.observability import FrontendObserver, install
 from services.frontend.serving_engine import OpenAIServing, ServerState, ServingModel
+from services.frontend.generation_defaults import load_generation_defaults
 from services.frontend.tokenizer import load_tokenizer
+from services.frontend.vllm_engine.codec import SamplingDefaults
+from services.frontend.vllm_engine.servicer import SERVICE_NAME as ENGINE_SERVICE_NAME
+from services.frontend.vllm_engine.servicer import VllmEngineServicer
 
 logger = logging.getLogger("spindle.frontend")
 
@@ -36,23 +43,28 @@ class FrontendServer:
     """The frontend's servers and their lifecycle; `start()` then `stop()`."""
 
     def __init__(self, config: FrontendConfig, engine_client: EngineClientProtocol | None = None,
-                 model: ServingModel | None = None):
+                 model: ServingModel | None = None, model_dir: Path | None = None):
+        """`model` and `model_dir` (its folder: config.json and tokenizer files, for VllmEngine's
+        GetModelInfo and GetTokenizer) are loaded from `config.model` when `model` is None."""
         self.config = config
         self.state = ServerState()
         self.engine_client = engine_client
         self.model = model
+        self.model_dir = model_dir
         self._runner: web.AppRunner | None = None
         self._grpc: GrpcServer | None = None
+        self._engine_grpc: GrpcServer | None = None
         self._readiness_task: asyncio.Task | None = None
         self.tracing = None  # services/common/telemetry.Tracing when an OTLP endpoint is configured
         self.observer: FrontendObserver | None = None
         self.http_port = 0
         self.grpc_port = 0
+        self.engine_grpc_port = 0  # 0 while off
 
     async def start(self) -> None:
         self.tracing = setup_tracing("spindle-frontend", self.config.telemetry.otlp_traces_endpoint)
         if self.model is None:
-            self.model = await asyncio.to_thread(_load_model, self.config)
+            self.model, self.model_dir = await asyncio.to_thread(_load_model, self.config)
         if self.engine_client is None:
             from services.frontend.engine_client import EngineClient  # the integrator's module
 
@@ -76,15 +88,34 @@ class FrontendServer:
         self._grpc = GrpcServer(self.config.grpc_addr, [SERVICE_NAME],
                                 [ApiKeyInterceptor(api_keys), *server_interceptors(self.tracing)],
                                 max_receive_message_bytes=self.config.edge.max_grpc_message_bytes)
-        servicer = GenerateServicer(OpenAIServing(self.engine_client, self.model, self.state, self.observer),
-                                    api_keys)
-        generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, self._grpc.server)
+        serving = OpenAIServing(self.engine_client, self.model, self.state, self.observer)
+        generate_pb2_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(serving, api_keys), self._grpc.server)
         await self._grpc.start()
         self.grpc_port = self._grpc.port
-        self._readiness_task = asyncio.create_task(self._follow_readiness())
         grpc_host = self.config.grpc_addr.rsplit(":", 1)[0]
-        logger.info("frontend ready: http://%s:%d (grpc %s:%d, model %s)", self.config.http_host, self.http_port,
-                    grpc_host, self.grpc_port, self.model.name)
+        if self.config.engine_grpc_port != ENGINE_GRPC_OFF:
+            # The same guards as GenerateService's (the API keys first, the same message size limit),
+            # unless the operator opened the port to a gateway that sends no credentials.
+            engine_keys = api_keys if self.config.engine_grpc_auth == "api-keys" else ApiKeys()
+            if api_keys.is_enabled and not engine_keys.is_enabled:
+                logger.warning("--engine-grpc-auth none: the engine gRPC port asks for no API key; keep it "
+                               "reachable by the gateway only")
+            self._engine_grpc = GrpcServer(f"{grpc_host}:{self.config.engine_grpc_port}", [ENGINE_SERVICE_NAME],
+                                           [ApiKeyInterceptor(engine_keys), *server_interceptors(self.tracing)],
+                                           max_receive_message_bytes=self.config.edge.max_grpc_message_bytes)
+            vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
+                VllmEngineServicer(serving, engine_keys, self.model_dir,
+                                   SamplingDefaults(self.model.generation_defaults)),
+                self._engine_grpc.server)
+            await self._engine_grpc.start()
+            self.engine_grpc_port = self._engine_grpc.port
+        self._readiness_task = asyncio.create_task(self._follow_readiness())
+        engine_grpc = f"{grpc_host}:{self.engine_grpc_port}" if self._engine_grpc is not None else "off"
+        logger.info("frontend ready: http://%s:%d (grpc %s:%d, vllm engine grpc %s, model %s)", self.config.http_host,
+                    self.http_port, grpc_host, self.grpc_port, engine_grpc, self.model.name)
+
+    def _grpc_servers(self) -> list[GrpcServer]:
+        return [server for server in (self._grpc, self._engine_grpc) if server is not None]
 
     async def _follow_readiness(self) -> None:
         """Keeps gRPC health in step with the engine (the HTTP /health asks on each call)."""
@@ -92,7 +123,8 @@ class FrontendServer:
         while True:
             now = bool(self.engine_client.is_ready) and not self.state.is_draining
             if now != is_serving:
-                await self._grpc.set_serving(now)
+                for server in self._grpc_servers():
+                    await server.set_serving(now)
                 if is_serving is not None or now:
                     logger.info("engine %s", "ready: serving requests" if now else "not ready: refusing requests")
                 is_serving = now
@@ -105,15 +137,15 @@ class FrontendServer:
             self._readiness_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._readiness_task
-        if self._grpc is not None:
-            await self._grpc.set_serving(False)
+        for server in self._grpc_servers():
+            await server.set_serving(False)
         if not await self.state.wait_idle(self.config.shutdown_timeout_s):
             logger.warning("%d requests still running after %.0f s; aborting them",
                            self.state.num_inflight, self.config.shutdown_timeout_s)
         if self._runner is not None:
             await self._runner.cleanup()  # cancels leftover handlers, which aborts their requests
-        if self._grpc is not None:
-            await self._grpc.stop(grace_s=1.0)
+        for server in self._grpc_servers():
+            await server.stop(grace_s=1.0)
         if self.engine_client is not None and hasattr(self.engine_client, "close"):
             await self.engine_client.close()
         if self.model is not None:
@@ -123,11 +155,13 @@ class FrontendServer:
         logger.info("frontend stopped")
 
 
-def _load_model(config: FrontendConfig) -> ServingModel:
+def _load_model(config: FrontendConfig) -> tuple[ServingModel, Path]:
     from services.common.model_files import eos_token_ids, resolve_model  # converts the default model on first use
 
     resolved = resolve_model(config.model, config.cache_dir)
     tokenizer = load_tokenizer(resolved.path)
+    defaults = load_generation_defaults(resolved.path, resolved.name, config.override_generation_config)
+    logger.info("sampling defaults for unset fields: %s", defaults or "none (the API's)")
     return ServingModel(
         name=config.served_model_name or resolved.name,
         tokenizer=tokenizer,
@@ -135,7 +169,8 @@ def _load_model(config: FrontendConfig) -> ServingModel:
         max_model_len=config.max_model_len,
         chat_template_path=config.chat_template,
         tool_call_parser=config.tool_call_parser,
-    )
+        generation_defaults=defaults,
+    ), resolved.path
 
 
 async def serve(config: FrontendConfig, server: FrontendServer | None = None) -> int:

@@ -23,7 +23,7 @@ from services.frontend.tool_outputs import ChoiceToolOutput, finish_reason_with_
 
 class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, http_request: web.Request) -> web.StreamResponse:
-        request = parse_chat_request(parse_json_body(await http_request.read()))
+        request = parse_chat_request(parse_json_body(await http_request.read()), self.model.generation_defaults)
         self.check_model(request.options.model)
         self.check_ready()
         await self.check_constraint(request.options)

@@ -24,7 +24,7 @@ DEFAULT_MAX_TOKENS = 16
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, http_request: web.Request) -> web.StreamResponse:
-        request = parse_completion_request(parse_json_body(await http_request.read()))
+        request = parse_completion_request(parse_json_body(await http_request.read()), self.model.generation_defaults)
         self.check_model(request.options.model)
         self.check_ready()
         await self.check_constraint(request.options)

@@ -14,7 +14,7 @@ import dataclasses
 import time
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Iterator, Mapping
 
 from services.common.messages import EngineCoreRequest, FinishReason, TokenLogprobs
 from services.frontend.detokenizer import IncrementalDetokenizer
@@ -45,6 +45,8 @@ class ServingModel:
     chat_template_path: str | None = None
     # Parses tool calls out of `tool_choice: auto` output (`--tool-call-parser`).
     tool_call_parser: str = "hermes"
+    # Sampling values for the fields a request leaves unset (generation_defaults.py).
+    generation_defaults: Mapping[str, float] = dataclasses.field(default_factory=dict)
     chat_template: ChatTemplate = dataclasses.field(init=False, repr=False, compare=False)
     # The tokenizer's work on the request path, off the event loop for large inputs; one for both faces.
     async_tokenizer: AsyncTokenizer = dataclasses.field(init=False, repr=False, compare=False)

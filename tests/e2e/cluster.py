@@ -32,6 +32,7 @@ class SpindleCluster:
         self.attention_backend = attention_backend
         self.http_port = free_port()
         self.frontend_grpc_addr = f"127.0.0.1:{free_port()}"
+        self.engine_grpc_port = free_port()  # vLLM's engine protocol (VllmEngine)
         self.scheduler_addr = f"127.0.0.1:{free_port()}"
         self.worker_addr = f"127.0.0.1:{free_port()}"
         self.env = {
@@ -39,6 +40,7 @@ class SpindleCluster:
             "SPINDLE_HTTP_HOST": "127.0.0.1",
             "SPINDLE_HTTP_PORT": str(self.http_port),
             "SPINDLE_FRONTEND_GRPC_ADDR": self.frontend_grpc_addr,
+            "SPINDLE_ENGINE_GRPC_PORT": str(self.engine_grpc_port),
             "SPINDLE_SCHEDULER_ADDR": self.scheduler_addr,
             "SPINDLE_WORKER_ADDR": self.worker_addr,
             "SPINDLE_DTYPE": "float32",
@@ -57,6 +59,10 @@ class SpindleCluster:
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def engine_grpc_addr(self) -> str:
+        return f"127.0.0.1:{self.engine_grpc_port}"
 
     def start_service(self, name: str) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "ab")

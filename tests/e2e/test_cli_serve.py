@@ -48,7 +48,7 @@ class Serve:
         env = {**os.environ, "SPINDLE_HTTP_HOST": "127.0.0.1", "SPINDLE_HTTP_PORT": str(self.http_port),
                "SPINDLE_FRONTEND_GRPC_ADDR": self.addrs["frontend"], "SPINDLE_SCHEDULER_ADDR": self.addrs["scheduler"],
                "SPINDLE_WORKER_ADDR": self.addrs["worker"], "SPINDLE_NUM_THREADS": "1", "SPINDLE_METRICS_PORT": "0",
-               "SPINDLE_SHUTDOWN_TIMEOUT": "5", "PYTHONUNBUFFERED": "1"}
+               "SPINDLE_SHUTDOWN_TIMEOUT": "5", "SPINDLE_ENGINE_GRPC_PORT": "0", "PYTHONUNBUFFERED": "1"}
         env.pop("SPINDLE_DTYPE", None)  # the flag below must be what sets it
         self.log_path = log_dir / "serve.log"
         with open(self.log_path, "ab") as log:

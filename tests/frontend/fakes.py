@@ -88,6 +88,9 @@ class FakeEngineClient:
         self.requests: list[EngineCoreRequest] = []
         self.aborted: list[str] = []
         self.final_only: list[bool] = []  # per request: whether merged outputs were asked for
+        self.flush_refusals = 0
+        self.num_flush_calls = 0
+        self.kv_batches: list = []  # KVEventBatch, for subscribe_kv_events
 
     async def generate(self, request: EngineCoreRequest, final_only: bool = False
                        ) -> AsyncIterator[EngineCoreOutput]:
@@ -129,6 +132,20 @@ class FakeEngineClient:
 
     async def get_stats(self) -> tuple[SchedulerStats, bool]:
         return SchedulerStats(), self.is_ready
+
+    async def reset_prefix_cache(self) -> bool:
+        """Refused while `flush_refusals` > 0 (requests hold blocks), counting down."""
+        self.num_flush_calls += 1
+        if self.flush_refusals > 0:
+            self.flush_refusals -= 1
+            return False
+        return True
+
+    async def subscribe_kv_events(self):
+        """The batches in `kv_batches`, then EngineError (the scheduler went away)."""
+        for batch in self.kv_batches:
+            yield batch
+        raise EngineError("the scheduler's KV event stream ended", "unavailable")
 
 
 def fake_logprobs(token: int, k: int) -> TokenLogprobs:
