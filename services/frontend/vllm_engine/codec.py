@@ -28,6 +28,7 @@ from services.common.messages import SamplingParams, TokenLogprobs
 from services.common.sampling_limits import MAX_LOGPROBS
 from services.common.structured_outputs import StructuredOutputsParams
 from services.frontend.errors import APIError, invalid_request
+from services.frontend.generation_defaults import SAMPLING_KEYS
 from services.frontend.protocol import CompletionRequest, GenerationOptions, check_sampling_params
 from services.frontend.structured_outputs import parse_constraint
 
@@ -40,8 +41,6 @@ _CONSTRAINT_KINDS = {
     "json_object": "json_object",
     "choice": "choice",
 }
-# The knobs a model's generation config may set defaults for (vLLM's and SMG's list).
-SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 # Fields refused because this engine would silently do something else with them.
 _REFUSED_SAMPLING_FIELDS = {
     "prompt_logprobs": "Prompt logprobs are not supported yet.",
@@ -76,7 +75,7 @@ class SamplingDefaults:
         return self.values.get("repetition_penalty", SamplingParams.repetition_penalty)
 
     def to_json(self) -> str:
-        return json.dumps({key: self.values[key] for key in SAMPLING_DEFAULT_KEYS if key in self.values})
+        return json.dumps({key: self.values[key] for key in SAMPLING_KEYS if key in self.values})
 
 
 # --- requests ------------------------------------------------------------------------------------
