@@ -274,3 +274,4 @@ class EngineInfo:
     dtype: str
     vocab_size: int
     attention_backend: str
+    max_num_seqs: int = 0  # the scheduler's running window; 0 when unknown

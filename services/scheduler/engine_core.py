@@ -211,6 +211,7 @@ class EngineCore:
             dtype=spec.dtype,
             vocab_size=spec.vocab_size,
             attention_backend=spec.attention_backend,
+            max_num_seqs=self.config.max_num_seqs,
         )
         logger.info("worker %s ready: %d KV blocks of %d tokens, max_model_len %d",
                     self.executor.address, spec.num_blocks, spec.block_size, self.scheduler.max_model_len)

@@ -216,7 +216,7 @@ def test_health_model_server_info_and_loads(cluster, stub, tokenizer, block_size
     assert json.loads(info.default_sampling_params_json) == {"temperature": 0.2, "top_p": 0.9}
 
     server = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
-    assert block_size == 16 and server.data_parallel_size == 1
+    assert block_size == 16 and server.data_parallel_size == 1 and server.max_num_seqs == 256
     assert server.model_dtype == "float32" and server.attention_backend == cluster.attention_backend
 
     loads = stub.GetLoads(pb.GetLoadsRequest(), timeout=10)
@@ -224,6 +224,7 @@ def test_health_model_server_info_and_loads(cluster, stub, tokenizer, block_size
     load = loads.loads[0]
     stats = get_json(cluster, "/stats")
     assert load.dp_rank == 0 and load.max_total_num_tokens == stats["num_total_blocks"] * block_size
+    assert load.max_running_requests == 256  # the scheduler's --max-num-seqs
 
 
 # --- prefix-cache events ---------------------------------------------------------------------------

@@ -162,7 +162,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             block_size=info.block_size if info is not None else 0,
             model_dtype=info.dtype if info is not None else "",
             attention_backend=info.attention_backend if info is not None else "",
-            max_num_seqs=0,  # the scheduler's limit is not told to the frontend
+            max_num_seqs=info.max_num_seqs if info is not None else 0,
         )
 
     async def GetLoads(self, request: pb.GetLoadsRequest, context: Any) -> pb.GetLoadsResponse:
@@ -180,6 +180,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             token_usage=stats.kv_cache_usage,
             # Since the engine started: the counters are cumulative.
             cache_hit_rate=stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0,
+            max_running_requests=info.max_num_seqs if info is not None else 0,
         )
         return pb.GetLoadsResponse(timestamp=datetime.now(timezone.utc).isoformat(), version=spindle_version(),
                                    dp_rank_count=1, loads=[load])
