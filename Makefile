@@ -99,9 +99,10 @@ bench: install
 images:
 	$(DOCKER) build -f docker/Dockerfile -t $(IMAGE_PREFIX)spindle:$(IMAGE_TAG) .
 	$(DOCKER) build -f docker/Dockerfile.cuda -t $(IMAGE_PREFIX)spindle-cuda:$(IMAGE_TAG) .
+	$(DOCKER) build -f docker/Dockerfile.smg -t $(IMAGE_PREFIX)spindle-smg:$(SMG_VERSION) .
 
 lint-docker: install
-	$(VENV)/bin/hadolint docker/Dockerfile docker/Dockerfile.cuda
+	$(VENV)/bin/hadolint docker/Dockerfile docker/Dockerfile.cuda docker/Dockerfile.smg
 
 # Renders every k8s/ overlay and validates it offline (kubectl kustomize + kubernetes-validate --strict).
 k8s-validate: install

@@ -75,13 +75,14 @@ def test_a_default_deny_policy_covers_the_namespace(overlay):
 
 
 def test_only_the_frontend_port_is_open_to_every_source(overlay):
-    """Rules without `from` admit any source; only the OpenAI/gRPC front door and the EPP's ext-proc may be such."""
+    """Rules without `from` admit any source; only the OpenAI/gRPC front door, the EPP's ext-proc and
+    the SMG gateway's HTTP API (8080) may be such."""
     open_ports = set()
     for policy in rendered(overlay).of_kind("NetworkPolicy"):
         for rule in policy["spec"].get("ingress", []):
             if "from" not in rule:
                 open_ports |= {p["port"] for p in rule.get("ports", [])}
-    assert open_ports <= {8000, 50051, 9002}, open_ports
+    assert open_ports <= {8000, 50051, 9002, 8080}, open_ports
 
 
 def test_the_worker_port_is_admitted_from_no_peer(overlay):
