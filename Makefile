@@ -62,7 +62,8 @@ gpu-check: install
 
 # The SMG gateway (a Rust binary in its own venv) in front of a running engine's VllmEngine port
 # (`make run` serves it on 127.0.0.1:50055): OpenAI chat/completions, /v1/responses and Anthropic's
-# /v1/messages on http://127.0.0.1:$(GATEWAY_PORT). It fetches the tokenizer with GetTokenizer.
+# /v1/messages on http://127.0.0.1:$(GATEWAY_PORT). It reads the tokenizer from the model folder the engine
+# reports when that exists on its host, and otherwise fetches it with GetTokenizer.
 $(SMG_VENV)/.installed:
 	test -x $(SMG_VENV)/bin/python || $(PYTHON) -m venv $(SMG_VENV)
 	$(SMG_VENV)/bin/pip install -q smg==$(SMG_VERSION)

@@ -3,8 +3,9 @@ requests to the engine that holds their prefix (the engine gRPC API's SubscribeK
 
 Block hashes are the scheduler's own (64-bit, chained through the parent block), as signed 64-bit
 integers on the wire; a stored block carries its token ids so a subscriber can index it by
-content. Batches are numbered from 1 per scheduler; a new scheduler (or worker) starts with
-`AllBlocksCleared`.
+content. Batches are numbered per scheduler, one number per published batch; a subscription's
+first batch, `AllBlocksCleared`, carries the last number published (0 on a fresh engine), so every
+subscriber sees consecutive numbers. A new worker's cache also starts with `AllBlocksCleared`.
 """
 from __future__ import annotations
 

@@ -26,7 +26,9 @@ class KVEventPublisher:
         first batch clears what the subscriber may have known of an earlier engine."""
         queue: asyncio.Queue[KVEventBatch | None] = asyncio.Queue(MAX_QUEUED_BATCHES)
         self._subscribers.add(queue)
-        self._sequence_number += 1
+        # The clear carries the last batch's number rather than a new one: a number that only this
+        # subscriber sees would be a gap in every other subscriber's stream (a gateway that sees
+        # one drops the batch and resubscribes, making the next gap for the others).
         queue.put_nowait(KVEventBatch(self._sequence_number, time.time(), [AllBlocksCleared()]))
         return queue
 

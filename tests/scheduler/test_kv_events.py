@@ -81,6 +81,24 @@ def test_the_publisher_numbers_batches_starts_each_subscriber_cleared_and_drops_
     asyncio.run(scenario())
 
 
+def test_a_later_subscriber_leaves_no_gap_in_the_earlier_ones_numbers():
+    # Gateways resubscribe when a stream skips a number; two of them on one engine used to make
+    # each other's gaps, one per batch.
+    async def scenario():
+        publisher = KVEventPublisher()
+        earlier = publisher.subscribe()
+        earlier.get_nowait()
+        publisher.publish([BlockRemoved([5])])
+        last = earlier.get_nowait().sequence_number
+        later = publisher.subscribe()
+        cleared = later.get_nowait()
+        assert (cleared.sequence_number, cleared.events) == (last, [AllBlocksCleared()])
+        publisher.publish([BlockRemoved([6])])
+        assert earlier.get_nowait().sequence_number == later.get_nowait().sequence_number == last + 1
+
+    asyncio.run(scenario())
+
+
 def test_batches_cross_the_wire_with_signed_hashes():
     big = (1 << 64) - 5
     sent = KVEventBatch(3, 1.5, [BlockStored([big, 7], big, [1, 2, 3, 4, 5, 6, 7, 8], 4), BlockRemoved([big]),
