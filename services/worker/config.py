@@ -55,6 +55,9 @@ class WorkerConfig:
     fake_model: bool = False  # no weights; each step returns a fixed token (engine-overhead benchmark)
     # A step running longer turns health NOT_SERVING (services/worker/step_watchdog.py); 0: never.
     step_timeout_s: float = 30.0
+    # This many failed steps in a row (a sticky device fault fails every step) turn the worker
+    # broken: health NOT_SERVING, its step stream ended, so liveness restarts it; 0: never.
+    max_consecutive_failed_steps: int = 3
     telemetry: TelemetryConfig = TelemetryConfig()  # traces endpoint and metrics port
     auth: ServiceAuthConfig = NO_SERVICE_AUTH  # who may call this worker: its scheduler
 
@@ -72,6 +75,8 @@ class WorkerConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.max_consecutive_failed_steps < 0:
+            raise ValueError(f"--worker-max-consecutive-failed-steps must be >= 0, got {self.max_consecutive_failed_steps}")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
 
@@ -114,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--worker-step-timeout-s", type=float, default=30.0,
              help="seconds one step may run before health turns NOT_SERVING (so a liveness probe restarts a "
                   "hung worker); must exceed the slowest legitimate step; 0 disables it")
+    add_flag(parser, "--worker-max-consecutive-failed-steps", type=int, default=3,
+             help="failed steps in a row after which the worker reports NOT_SERVING and ends its step stream "
+                  "(a sticky device fault), so liveness restarts it; 0 never")
     add_telemetry_flags(parser, default_metrics_port=9093)
     add_service_auth_flags(parser, accepts_token_of="worker", default_allowed_clients=SCHEDULER_IDENTITY)
     add_common_flags(parser)
@@ -142,6 +150,7 @@ def config_from_args(argv: list[str] | None = None) -> WorkerConfig:
         shutdown_timeout=args.shutdown_timeout,
         fake_model=args.fake_model,
         step_timeout_s=args.worker_step_timeout_s,
+        max_consecutive_failed_steps=args.worker_max_consecutive_failed_steps,
         telemetry=telemetry_config_from_args(args),
         auth=service_auth_config_from_args(args),
     )

@@ -3,7 +3,10 @@
 The model runs in ONE dedicated thread (a single-worker executor): steps are serialised, and the
 event loop stays free for health checks and the stream's I/O. Protobuf decoding and encoding
 happen in that thread too. A step that raises is answered with `error_message` rather than
-breaking the stream.
+breaking the stream, until `--worker-max-consecutive-failed-steps` steps in a row have failed: then
+the worker is broken (a sticky device fault fails every step while every probe would pass). Health
+turns NOT_SERVING, the step stream ends with UNAVAILABLE and the worker refuses every new one, so
+the scheduler reports its engine lost and the liveness probe restarts the worker.
 """
 from __future__ import annotations
 
@@ -33,11 +36,18 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
-    def __init__(self, worker: Worker, executor: ThreadPoolExecutor, watchdog: StepWatchdog | None = None):
+    def __init__(self, worker: Worker, executor: ThreadPoolExecutor, watchdog: StepWatchdog | None = None,
+                 max_consecutive_failed_steps: int = 0, on_broken=None):
+        """`on_broken`: an async callback run once when the worker breaks (the server turns health
+        NOT_SERVING)."""
         self.worker = worker
         self.watchdog = watchdog
         self.executor = executor
         self.is_ready = False
+        self.max_consecutive_failed_steps = max_consecutive_failed_steps
+        self.num_consecutive_failed_steps = 0  # written by the model thread only
+        self.is_broken = False
+        self._on_broken = on_broken
         # Observability hooks (services/worker/metrics.py, tracing.py); tracer is None when tracing is off.
         self.metrics = WorkerMetrics()
         self.tracer: WorkerTracer | None = None
@@ -47,8 +57,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     async def _require_ready(self, context: grpc.aio.ServicerContext) -> None:
+        if self.is_broken:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self._broken_message())
         if not self.is_ready:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is still loading the model")
+
+    def _broken_message(self) -> str:
+        return (f"worker broken: {self.num_consecutive_failed_steps} steps failed in a row "
+                "(--worker-max-consecutive-failed-steps); it needs a restart")
 
     async def DescribeKVCache(self, request, context):
         await self._require_ready(context)
@@ -91,6 +107,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         steps = codec.StepDecoder()  # this stream's end: each step may refer to the one before
         async for request in request_iterator:
             yield await self._run(self._step, request, steps)
+            if self.max_consecutive_failed_steps and not self.is_broken \
+                    and self.num_consecutive_failed_steps >= self.max_consecutive_failed_steps:
+                self.is_broken = True
+                logger.error("%s: health NOT_SERVING", self._broken_message())
+                if self._on_broken is not None:
+                    await self._on_broken()
+            if self.is_broken:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, self._broken_message())
 
     def _step(self, request: worker_pb2.ExecuteModelRequest, steps: codec.StepDecoder
               ) -> worker_pb2.ExecuteModelResponse:
@@ -98,15 +122,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         start_s = time.time()
         if self.watchdog is not None:
             self.watchdog.step_started(step_id)
+        has_run = False
         try:
             scheduler_output = steps.decode(request.scheduler_output)
+            has_run = True  # a step refused at decoding (sent against a failed one) is no device fault
             output = self.worker.execute_model(scheduler_output)
             self.metrics.on_step(scheduler_output, output)
             if self.tracer is not None:
                 self.tracer.on_step(scheduler_output, output, start_s, time.time())
+            self.num_consecutive_failed_steps = 0
             return steps.encode_output(output)
         except Exception as exc:  # noqa: BLE001 - any failure is reported to the scheduler, not raised
             logger.exception("step %d failed", step_id)
+            if has_run:
+                self.num_consecutive_failed_steps += 1
             self.metrics.on_step_failed()
             return steps.encode_failure(step_id, f"worker step {step_id} failed: {type(exc).__name__}: {exc}")
         finally:
@@ -121,8 +150,10 @@ class WorkerServer:
         self.config = config
         self.worker = worker or Worker(config)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-runner")
-        self.watchdog = StepWatchdog(config.step_timeout_s, self._set_serving, lambda: self.servicer.is_ready)
-        self.servicer = WorkerServicer(self.worker, self.executor, self.watchdog)
+        self.watchdog = StepWatchdog(config.step_timeout_s, self._set_serving,
+                                     lambda: self.servicer.is_ready and not self.servicer.is_broken)
+        self.servicer = WorkerServicer(self.worker, self.executor, self.watchdog,
+                                       config.max_consecutive_failed_steps, lambda: self._set_serving(False))
         self._watchdog_task: asyncio.Task | None = None
         self.tracing = tracing
         self.servicer.tracer = WorkerTracer(tracing) if tracing is not None else None

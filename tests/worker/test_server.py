@@ -222,3 +222,59 @@ def test_cuda_device_is_refused_clearly_without_a_gpu(capsys):
         pytest.skip("a CUDA device is present")
     assert main(["--device", "cuda"]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_consecutive_failed_steps_break_the_worker_until_it_restarts(tiny_llama_dir):
+    """A sticky fault fails every step: after --worker-max-consecutive-failed-steps in a row the
+    stream ends UNAVAILABLE, health turns NOT_SERVING and every new call is refused; a success in
+    between resets the count, and a step refused for being sent against a failed one does not count."""
+    config = WorkerConfig(worker_addr="127.0.0.1:0", model=str(tiny_llama_dir), served_model_name="tiny",
+                          dtype="float32", kv_cache_bytes=2**20, block_size=4, max_num_seqs=8,
+                          max_consecutive_failed_steps=2)
+    srv = InProcessServer(config)
+    server = srv.server
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = worker_pb2_grpc.WorkerServiceStub(channel)
+            health = health_pb2_grpc.HealthStub(channel)
+            stub.InitializeKVCache(worker_pb2.InitializeKVCacheRequest(num_blocks=64))
+            fail_steps = {1, 3, 4}
+            execute = server.worker.execute_model
+
+            def run_or_fail(so):
+                if so.step_id in fail_steps:
+                    raise RuntimeError("device fault")
+                return execute(so)
+
+            server.worker.execute_model = run_or_fail
+            greedy = SamplingParams(temperature=0.0)
+            steps = [SchedulerOutput(scheduled_new_reqs=[NewRequestData(f"r{i}", [5, 6, 7], greedy, [3 + i], 0)],
+                                     num_scheduled_tokens={f"r{i}": 3}, total_num_scheduled_tokens=3, step_id=i)
+                     for i in range(1, 6)]
+            outgoing: queue.Queue = queue.Queue()
+
+            def requests():
+                while True:
+                    item = outgoing.get(timeout=60)
+                    if item is None:
+                        return
+                    yield worker_pb2.ExecuteModelRequest(scheduler_output=item)
+
+            responses = stub.ExecuteModel(requests(), timeout=60)
+            answers = []
+            for step in steps[:4]:  # fails, runs, fails, fails: the second failure in a row breaks it
+                outgoing.put(worker_codec.scheduler_output_to_pb(step))
+                answers.append(next(responses).error_message)
+            assert [bool(a) for a in answers] == [True, False, True, True]
+            with pytest.raises(grpc.RpcError) as ended:
+                next(responses)
+            outgoing.put(None)
+            assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "2 steps failed in a row" in ended.value.details()
+            status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status
+            assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.DescribeKVCache(worker_pb2.DescribeKVCacheRequest(), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "needs a restart" in refused.value.details()
+    finally:
+        srv.close()
