@@ -77,13 +77,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         try:
-            async for response in self._generate(request, caller_identity(self.api_keys, context)):
+            async for response in stream_with_status(self._generate(request, caller_identity(self.api_keys, context)),
+                                                     context):
                 yield response
-        except APIError as err:
-            await context.abort(status_code(err), describe_error(err))
-        except EngineError as exc:
-            err = from_engine_error(exc)
-            await context.abort(status_code(err), describe_error(err))
         except RequestAborted:
             await context.abort(grpc.StatusCode.CANCELLED, "aborted by an Abort call")
 
@@ -174,6 +170,19 @@ async def until_set(stream: AsyncIterator[Any], event: asyncio.Event) -> AsyncIt
             pending.cancel()
             with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
                 await pending
+
+
+async def stream_with_status(stream: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+    """Yields from a streaming handler's body; the frontend's errors end the call with their status
+    code and the field they name."""
+    try:
+        async for item in stream:
+            yield item
+    except APIError as err:
+        await context.abort(status_code(err), describe_error(err))
+    except EngineError as exc:
+        err = from_engine_error(exc)
+        await context.abort(status_code(err), describe_error(err))
 
 
 def describe_error(err: APIError) -> str:

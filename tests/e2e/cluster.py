@@ -14,6 +14,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# The small engine most end-to-end modules share: 256 MiB of KV cache, a 2,048-token context.
+SMALL_ENGINE_ENV = {"SPINDLE_KV_CACHE_BYTES": str(256 * 2**20), "SPINDLE_MAX_MODEL_LEN": "2048"}
+
+
+def module_cluster(tmp_path_factory, env: dict[str, str] | None = None):
+    """A module fixture's body (`yield from module_cluster(tmp_path_factory)`): a started cluster
+    with the small engine (and `env` on top), stopped after the module."""
+    cluster = SpindleCluster(tmp_path_factory.mktemp("logs"), env={**SMALL_ENGINE_ENV, **(env or {})})
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

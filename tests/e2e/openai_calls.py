@@ -57,3 +57,17 @@ def post_json(cluster: Any, path: str, body: Any) -> tuple[int, dict]:
             return resp.status, json.load(resp)
     except urllib.error.HTTPError as err:
         return err.code, json.load(err)
+
+
+# Two tools with bounded argument schemas, for the tool-calling tests (ours and the gateway's).
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+       "required": ["a", "b"], "additionalProperties": False}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                      "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "add", "description": "Adds two integers", "parameters": ADD}},
+]
+TOOL_SCHEMAS = {"get_weather": WEATHER, "add": ADD}

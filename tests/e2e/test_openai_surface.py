@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.common.model_files import resolve_model
-from tests.e2e.cluster import SpindleCluster
+from tests.e2e.cluster import module_cluster
 from tests.e2e.openai_calls import (
     BLOCK_SIZE, EOS, chat_text, gather, get_json, post_json, split_openai_args, template_ids,
 )
@@ -45,12 +45,7 @@ def tokenizer(model):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = SpindleCluster(tmp_path_factory.mktemp("logs"),
-                       env={"SPINDLE_KV_CACHE_BYTES": str(256 * 2**20), "SPINDLE_MAX_MODEL_LEN": "2048"})
-    try:
-        yield c.start()
-    finally:
-        c.stop()
+    yield from module_cluster(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,7 @@ from transformers import AutoTokenizer
 from services.common.model_files import resolve_model
 from tests.e2e.cluster import SpindleCluster
 from tests.e2e.gateway import SmgGateway, smg_binary
-from tests.e2e.openai_calls import chat_text, get_json, template_ids
+from tests.e2e.openai_calls import TOOL_SCHEMAS, TOOLS, chat_text, get_json, template_ids
 from tests.openai_schema import COMPLETION_CHUNK, create, stream
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -54,17 +54,6 @@ CHATS = {
 PROMPTS = ["Once upon a time", "The three primary colours are"]
 # A stream cut short: the prompt (about 40 tokens) and this many tokens fit in the 2,048 context.
 LONG_MAX_TOKENS = 1900
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
-                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
-           "required": ["city", "unit"], "additionalProperties": False}
-ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-       "required": ["a", "b"], "additionalProperties": False}
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
-                                      "parameters": WEATHER}},
-    {"type": "function", "function": {"name": "add", "description": "Adds two integers", "parameters": ADD}},
-]
-TOOL_SCHEMAS = {"get_weather": WEATHER, "add": ADD}
 CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                          "population_millions": {"type": "integer"}},
         "required": ["city", "population_millions"], "additionalProperties": False}

@@ -16,7 +16,7 @@ import pytest
 from openai.lib._parsing._completions import type_to_response_format_param
 from pydantic import BaseModel, Field
 
-from tests.e2e.cluster import SpindleCluster
+from tests.e2e.cluster import module_cluster
 from tests.openai_schema import acreate, create, stream
 
 CHAT_SCHEMA, CHUNK_SCHEMA, COMPLETION_SCHEMA = (
@@ -52,12 +52,7 @@ PROMPT = [{"role": "user", "content": "Describe a pet owner and their pets as JS
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = SpindleCluster(tmp_path_factory.mktemp("logs"),
-                       env={"SPINDLE_KV_CACHE_BYTES": str(256 * 2**20), "SPINDLE_MAX_MODEL_LEN": "2048"})
-    try:
-        yield c.start()
-    finally:
-        c.stop()
+    yield from module_cluster(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -10,32 +10,17 @@ import jsonschema
 import openai
 import pytest
 
-from tests.e2e.cluster import SpindleCluster
+from tests.e2e.cluster import module_cluster
+from tests.e2e.openai_calls import TOOL_SCHEMAS, TOOLS
 from tests.openai_schema import create, stream
 
 CHAT_SCHEMA, CHUNK_SCHEMA = "CreateChatCompletionResponse", "CreateChatCompletionStreamResponse"
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
-                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
-           "required": ["city", "unit"], "additionalProperties": False}
-ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-       "required": ["a", "b"], "additionalProperties": False}
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
-                                      "parameters": WEATHER}},
-    {"type": "function", "function": {"name": "add", "description": "Adds two integers", "parameters": ADD}},
-]
-SCHEMAS = {"get_weather": WEATHER, "add": ADD}
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = SpindleCluster(tmp_path_factory.mktemp("logs"),
-                       env={"SPINDLE_KV_CACHE_BYTES": str(256 * 2**20), "SPINDLE_MAX_MODEL_LEN": "2048"})
-    try:
-        yield c.start()
-    finally:
-        c.stop()
+    yield from module_cluster(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +58,7 @@ def assembled_calls(chunks: list[dict]) -> tuple[list[dict], str | None, str]:
 
 def check_call(call_name: str, arguments: str) -> dict:
     args = json.loads(arguments)
-    jsonschema.validate(args, SCHEMAS[call_name])
+    jsonschema.validate(args, TOOL_SCHEMAS[call_name])
     return args
 
 

@@ -22,7 +22,7 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as pb, vllm_eng
 from transformers import AutoTokenizer
 
 from services.common.model_files import resolve_model
-from tests.e2e.cluster import SpindleCluster
+from tests.e2e.cluster import module_cluster
 from tests.e2e.openai_calls import EOS, get_json, post_json
 from tests.e2e.test_default_model import MAX_TOKENS, PROMPTS
 from tests.frontend.bad_inputs import param_of_grpc_details
@@ -35,12 +35,7 @@ KV_EVENTS_TEXT = " ".join(f"Lighthouse {i} keeps watch over the quiet harbour of
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = SpindleCluster(tmp_path_factory.mktemp("logs"),
-                       env={"SPINDLE_KV_CACHE_BYTES": str(256 * 2**20), "SPINDLE_MAX_MODEL_LEN": "2048"})
-    try:
-        yield c.start()
-    finally:
-        c.stop()
+    yield from module_cluster(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

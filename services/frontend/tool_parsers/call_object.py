@@ -38,6 +38,25 @@ def call_from_object(obj: object) -> tuple[str, str] | None:
     return name, dumps_json(arguments)
 
 
+# What became of a call object after a feed (`read_call`).
+CALL_PENDING, CALL_DONE, CALL_DROPPED, CALL_BAD = range(4)
+
+
+def read_call(call: "CallObjectStream", events: list, text: str) -> tuple[int, int]:
+    """Feeds `text` to `call`; returns where it stopped and the outcome: CALL_PENDING (it needs more
+    text), CALL_DONE (a valid call: its last pieces are in `events`), CALL_DROPPED (broken after its
+    first piece went out: it keeps what was sent) or CALL_BAD (broken before: its text is content)."""
+    end = call.feed(text)
+    if call.is_done:
+        pieces = call.complete()
+        if pieces is not None:
+            events.extend(pieces)
+            return end, CALL_DONE
+    elif not call.has_error:
+        return end, CALL_PENDING
+    return end, CALL_DROPPED if call.is_committed else CALL_BAD
+
+
 class CallObjectStream:
     """Reads one call object; `feed` as `JsonStream.feed`: returns where it stopped, which is just
     past the closing `}` once `is_done`, or at the first offending character once `has_error`.

@@ -19,7 +19,7 @@ from services.frontend.tool_parsers.abstract_tool_parser import (
     ToolParser,
     collect_events,
 )
-from services.frontend.tool_parsers.call_object import CallObjectStream
+from services.frontend.tool_parsers.call_object import CALL_BAD, CALL_DONE, CALL_PENDING, CallObjectStream, read_call
 
 START_TAG = "<tool_call>"
 END_TAG = "</tool_call>"
@@ -105,24 +105,19 @@ class HermesToolCallStreamParser(ToolCallStreamParser):
 
     def _read_call(self, events: list[DeltaEvent], text: str) -> bool:
         call = self._call
-        end = call.feed(text)
+        end, outcome = read_call(call, events, text)
         self._text = text[end:]
-        if call.is_done:
-            pieces = call.complete()
-            if pieces is not None:
-                events.extend(pieces)
-                self._num_calls += 1
-                self._mode = _AFTER_CALL
-                return True
-        elif not call.has_error:
+        if outcome == CALL_PENDING:
             return False
-        if call.is_committed:  # broken after its first piece went out
-            self._num_calls += 1
-            self._mode = _DROPPED_BLOCK
-        else:
+        if outcome == CALL_BAD:
             self._add_content(events, START_TAG + call.raw_text)
-            self._mode = _BAD_BLOCK
-        self._call = None
+            self._mode, self._call = _BAD_BLOCK, None
+            return True
+        self._num_calls += 1
+        if outcome == CALL_DONE:
+            self._mode = _AFTER_CALL
+        else:
+            self._mode, self._call = _DROPPED_BLOCK, None
         return True
 
 

@@ -33,9 +33,9 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as pb, vllm_eng
 
 from services.frontend.api_keys import ApiKeys, caller_identity
 from services.frontend.app import spindle_version
-from services.frontend.errors import APIError, EngineError, from_engine_error, invalid_request, service_unavailable
+from services.frontend.errors import APIError, EngineError, invalid_request, service_unavailable
 # GenerateService's error mapping and Abort race, shared rather than copied.
-from services.frontend.grpc_service import RequestAborted, as_status, describe_error, until_set, status_code
+from services.frontend.grpc_service import RequestAborted, as_status, stream_with_status, until_set
 from services.frontend.serving_engine import OpenAIServing
 from services.frontend.vllm_engine.kv_events import KvEventBatchEncoder
 from services.frontend.vllm_engine.codec import SamplingDefaults, generate_request_from_pb, prompt_param
@@ -69,14 +69,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[pb.GenerateResponse]:
         self._last_receive_time = time.time()
-        try:
-            async for response in self._generate(request, caller_identity(self.api_keys, context)):
-                yield response
-        except APIError as err:
-            await context.abort(status_code(err), describe_error(err))
-        except EngineError as exc:
-            err = from_engine_error(exc)
-            await context.abort(status_code(err), describe_error(err))
+        async for response in stream_with_status(self._generate(request, caller_identity(self.api_keys, context)),
+                                                 context):
+            yield response
 
     async def _generate(self, request: pb.GenerateRequest, caller: str) -> AsyncIterator[pb.GenerateResponse]:
         serving = self.serving
