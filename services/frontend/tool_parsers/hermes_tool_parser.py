@@ -15,11 +15,11 @@ from __future__ import annotations
 from services.frontend.tool_parsers.abstract_tool_parser import (
     DeltaEvent,
     ExtractedToolCalls,
-    ToolCallStreamParser,
     ToolParser,
     collect_events,
 )
-from services.frontend.tool_parsers.call_object import CALL_BAD, CALL_DONE, CALL_PENDING, CallObjectStream, read_call
+from services.frontend.tool_parsers.call_object import CallObjectStream
+from services.frontend.tool_parsers.call_stream import CallTextStreamParser
 
 START_TAG = "<tool_call>"
 END_TAG = "</tool_call>"
@@ -37,33 +37,18 @@ def _partial_tag_length(text: str, tag: str) -> int:
     return 0
 
 
-class HermesToolCallStreamParser(ToolCallStreamParser):
+class HermesToolCallStreamParser(CallTextStreamParser):
     """Streams one choice in the Hermes format. With `emit_partial_calls=False` calls are sent only
     when their object is complete, which is how the non-streamed parser reads a whole output."""
 
-    def __init__(self, emit_partial_calls: bool = True):
-        super().__init__()
-        self._emit_partial_calls = emit_partial_calls
-        self._mode = _TEXT
-        self._text = ""  # text received and not yet decided
-        self._call: CallObjectStream | None = None
-        self._num_calls = 0
-
-    def feed(self, delta_text: str) -> list[DeltaEvent]:
-        events: list[DeltaEvent] = []
-        self._text += delta_text
-        while self._text and self._advance(events):
-            pass
-        if self._emit_partial_calls and self._mode == _CALL:
-            events.extend(self._call.progress())
-        return events
+    START_MODE, CALL_MODE, AFTER_CALL_MODE, BAD_MODE, DROPPED_MODE = _TEXT, _CALL, _AFTER_CALL, _BAD_BLOCK, _DROPPED_BLOCK
 
     def finish(self) -> list[DeltaEvent]:
         events: list[DeltaEvent] = []
         if self._mode == _TEXT or self._mode == _BAD_BLOCK:
             self._add_content(events, self._text)
         elif self._mode == _CALL and not self._call.is_committed:
-            self._add_content(events, START_TAG + self._call.raw_text)
+            self._add_content(events, self._bad_call_text(self._call))
         # After a call, whitespace and a partial closing tag are markup, dropped.
         self._text, self._mode, self._call = "", _TEXT, None
         return events
@@ -103,23 +88,8 @@ class HermesToolCallStreamParser(ToolCallStreamParser):
             self._mode = _TEXT
         return done
 
-    def _read_call(self, events: list[DeltaEvent], text: str) -> bool:
-        call = self._call
-        end, outcome = read_call(call, events, text)
-        self._text = text[end:]
-        if outcome == CALL_PENDING:
-            return False
-        if outcome == CALL_BAD:
-            self._add_content(events, START_TAG + call.raw_text)
-            self._mode, self._call = _BAD_BLOCK, None
-            return True
-        self._num_calls += 1
-        if outcome == CALL_DONE:
-            self._mode = _AFTER_CALL
-        else:
-            self._mode, self._call = _DROPPED_BLOCK, None
-        return True
-
+    def _bad_call_text(self, call: CallObjectStream) -> str:
+        return START_TAG + call.raw_text
 
 class HermesToolParser(ToolParser):
     def create_stream_parser(self) -> HermesToolCallStreamParser:

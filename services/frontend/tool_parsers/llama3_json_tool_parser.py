@@ -15,11 +15,11 @@ from __future__ import annotations
 from services.frontend.tool_parsers.abstract_tool_parser import (
     DeltaEvent,
     ExtractedToolCalls,
-    ToolCallStreamParser,
     ToolParser,
     collect_events,
 )
-from services.frontend.tool_parsers.call_object import CALL_BAD, CALL_DONE, CALL_PENDING, CallObjectStream, read_call
+from services.frontend.tool_parsers.call_object import CallObjectStream
+from services.frontend.tool_parsers.call_stream import CallTextStreamParser
 
 PYTHON_TAG = "<|python_tag|>"
 _WHITESPACE = " \t\n\r"
@@ -28,33 +28,21 @@ _WHITESPACE = " \t\n\r"
 _START, _CALL, _AFTER_CALL, _CONTENT, _DROPPED = range(5)
 
 
-class Llama3JsonToolCallStreamParser(ToolCallStreamParser):
+class Llama3JsonToolCallStreamParser(CallTextStreamParser):
     """Streams one choice in Llama 3's JSON format; `emit_partial_calls` as in Hermes."""
 
-    def __init__(self, emit_partial_calls: bool = True):
-        super().__init__()
-        self._emit_partial_calls = emit_partial_calls
-        self._mode = _START
-        self._text = ""  # text received and not yet decided
-        self._call: CallObjectStream | None = None
-        self._call_prefix = ""  # the whitespace, tag or separator before the call, for content
-        self._num_calls = 0
+    START_MODE, CALL_MODE, AFTER_CALL_MODE, BAD_MODE, DROPPED_MODE = _START, _CALL, _AFTER_CALL, _CONTENT, _DROPPED
 
-    def feed(self, delta_text: str) -> list[DeltaEvent]:
-        events: list[DeltaEvent] = []
-        self._text += delta_text
-        while self._text and self._advance(events):
-            pass
-        if self._emit_partial_calls and self._mode == _CALL:
-            events.extend(self._call.progress())
-        return events
+    def __init__(self, emit_partial_calls: bool = True):
+        super().__init__(emit_partial_calls)
+        self._call_prefix = ""  # the whitespace, tag or separator before the call, for content
 
     def finish(self) -> list[DeltaEvent]:
         events: list[DeltaEvent] = []
         if self._mode == _START or self._mode == _CONTENT:
             self._add_content(events, self._text)
         elif self._mode == _CALL and not self._call.is_committed:
-            self._add_content(events, self._call_prefix + self._call.raw_text)
+            self._add_content(events, self._bad_call_text(self._call))
         # After a call, whitespace and a lone `;` are separators, dropped.
         self._text, self._mode, self._call = "", _CONTENT, None
         return events
@@ -98,23 +86,8 @@ class Llama3JsonToolCallStreamParser(ToolCallStreamParser):
         self._text, self._mode = rest, _CALL
         self._call = CallObjectStream(index=self._num_calls)
 
-    def _read_call(self, events: list[DeltaEvent], text: str) -> bool:
-        call = self._call
-        end, outcome = read_call(call, events, text)
-        self._text = text[end:]
-        if outcome == CALL_PENDING:
-            return False
-        if outcome == CALL_BAD:
-            self._add_content(events, self._call_prefix + call.raw_text)
-            self._mode, self._call = _CONTENT, None
-            return True
-        self._num_calls += 1
-        if outcome == CALL_DONE:
-            self._mode = _AFTER_CALL
-        else:
-            self._mode, self._call = _DROPPED, None
-        return True
-
+    def _bad_call_text(self, call: CallObjectStream) -> str:
+        return self._call_prefix + call.raw_text
 
 class Llama3JsonToolParser(ToolParser):
     def create_stream_parser(self) -> Llama3JsonToolCallStreamParser:
