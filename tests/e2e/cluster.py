@@ -29,9 +29,21 @@ def module_cluster(tmp_path_factory, env: dict[str, str] | None = None):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free ports: the sockets are held together until all are picked, since one
+    released port may be handed out again at once, and gRPC servers bind with SO_REUSEPORT, so two
+    services given the same port would share it silently (an HTTP client then reads HTTP/2 frames)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 class SpindleCluster:
@@ -44,11 +56,12 @@ class SpindleCluster:
         service_env: variables for one service only (its certificate, its tokens), by service name."""
         self.log_dir = log_dir
         self.attention_backend = attention_backend
-        self.http_port = free_port()
-        self.frontend_grpc_addr = f"127.0.0.1:{free_port()}"
-        self.engine_grpc_port = free_port()  # vLLM's engine protocol (VllmEngine)
-        self.scheduler_addr = f"127.0.0.1:{free_port()}"
-        self.worker_addr = f"127.0.0.1:{free_port()}"
+        http_port, frontend_grpc_port, engine_grpc_port, scheduler_port, worker_port = free_ports(5)
+        self.http_port = http_port
+        self.frontend_grpc_addr = f"127.0.0.1:{frontend_grpc_port}"
+        self.engine_grpc_port = engine_grpc_port  # vLLM's engine protocol (VllmEngine)
+        self.scheduler_addr = f"127.0.0.1:{scheduler_port}"
+        self.worker_addr = f"127.0.0.1:{worker_port}"
         self.env = {
             **os.environ,
             "SPINDLE_HTTP_HOST": "127.0.0.1",

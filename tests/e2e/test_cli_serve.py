@@ -21,7 +21,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoModelForCausalLM
 
-from tests.e2e.cluster import ROOT, free_port
+from tests.e2e.cluster import ROOT, free_ports
 from tests.e2e.parity import assert_greedy_match, hf_greedy
 from tests.e2e.test_tiny_models import build_tiny_model
 
@@ -43,8 +43,8 @@ class Serve:
     """`spindle serve` in a session of its own, so a Ctrl-C can reach its whole process group."""
 
     def __init__(self, log_dir: Path, model_dir: Path):
-        self.http_port = free_port()
-        self.addrs = {name: f"127.0.0.1:{free_port()}" for name in ("frontend", "scheduler", "worker")}
+        self.http_port, *ports = free_ports(4)
+        self.addrs = {name: f"127.0.0.1:{port}" for name, port in zip(("frontend", "scheduler", "worker"), ports)}
         env = {**os.environ, "SPINDLE_HTTP_HOST": "127.0.0.1", "SPINDLE_HTTP_PORT": str(self.http_port),
                "SPINDLE_FRONTEND_GRPC_ADDR": self.addrs["frontend"], "SPINDLE_SCHEDULER_ADDR": self.addrs["scheduler"],
                "SPINDLE_WORKER_ADDR": self.addrs["worker"], "SPINDLE_NUM_THREADS": "1", "SPINDLE_METRICS_PORT": "0",

@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from services.common.pb import generate_pb2, generate_pb2_grpc
-from tests.e2e.cluster import SpindleCluster, free_port
+from tests.e2e.cluster import SpindleCluster, free_port, free_ports
 from tests.observability.otlp_receiver import SPAN_KIND_CLIENT, SPAN_KIND_SERVER, OtlpReceiver, ReceivedSpan
 from tests.observability.scrapes import ENGINE_COUNTERS, engine_counters, poll_until, scrape, value
 
@@ -32,7 +32,7 @@ class ObservedCluster(SpindleCluster):
 
     def __init__(self, log_dir: Path, env: dict[str, str]):
         super().__init__(log_dir, env)
-        self.metrics_ports = {"scheduler": free_port(), "worker": free_port()}
+        self.metrics_ports = dict(zip(("scheduler", "worker"), free_ports(2)))
 
     def start_service(self, name: str):
         shared = self.env
