@@ -186,8 +186,7 @@ class EngineCore:
                 self._publish(error_outputs(failed, f"model execution failed: {exc}", "internal"), scheduler)
                 continue
             self._publish(scheduler.update_from_output(step, runner_output), scheduler)
-            if self.kv_events.has_subscribers:
-                self._publish_kv_events(scheduler)
+            self._publish_kv_events(scheduler)
             if step.total_num_scheduled_tokens == 0 and not in_flight:
                 await asyncio.sleep(0.001)  # nothing fit this step; let frees and aborts arrive
 

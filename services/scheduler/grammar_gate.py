@@ -82,10 +82,7 @@ class GrammarGate:
         key = request.sampling_params.structured_outputs.key
         waiting = self._waiting.get(key)
         if waiting is not None and request in waiting:
-            waiting.remove(request)
-            # The key stays awaited: its result still comes and is remembered.
-            if not waiting:
-                self._waiting[key] = []
+            waiting.remove(request)  # the key stays awaited, even with none left: its result still comes
 
     def take_all(self) -> list[Request]:
         """Every held request, for failing them all (the worker was lost)."""

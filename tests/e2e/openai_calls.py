@@ -71,3 +71,10 @@ TOOLS = [
     {"type": "function", "function": {"name": "add", "description": "Adds two integers", "parameters": ADD}},
 ]
 TOOL_SCHEMAS = {"get_weather": WEATHER, "add": ADD}
+
+
+def openai_client(cluster) -> "openai.OpenAI":
+    """The official client on a cluster's HTTP API, without retries (a failure must show)."""
+    import openai
+
+    return openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)

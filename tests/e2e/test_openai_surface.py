@@ -10,7 +10,6 @@ from __future__ import annotations
 import collections
 from importlib import metadata
 
-import openai
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -18,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from services.common.model_files import resolve_model
 from tests.e2e.cluster import module_cluster
 from tests.e2e.openai_calls import (
-    BLOCK_SIZE, EOS, chat_text, gather, get_json, post_json, split_openai_args, template_ids,
+    BLOCK_SIZE, EOS, chat_text, gather, get_json, openai_client, post_json, split_openai_args, template_ids,
 )
 from tests.e2e.parity import Reference, assert_greedy_match
 from tests.frontend.bad_inputs import HTTP_CASES, doc_cases
@@ -50,7 +49,7 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    return openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    return openai_client(cluster)
 
 
 def completion(client, model, **kwargs):

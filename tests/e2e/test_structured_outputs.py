@@ -17,6 +17,7 @@ from openai.lib._parsing._completions import type_to_response_format_param
 from pydantic import BaseModel, Field
 
 from tests.e2e.cluster import module_cluster
+from tests.e2e.openai_calls import openai_client
 from tests.openai_schema import acreate, create, stream
 
 CHAT_SCHEMA, CHUNK_SCHEMA, COMPLETION_SCHEMA = (
@@ -57,7 +58,7 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    return openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    return openai_client(cluster)
 
 
 def chat(client, **kwargs):

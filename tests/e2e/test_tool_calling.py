@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from tests.e2e.cluster import module_cluster
-from tests.e2e.openai_calls import TOOL_SCHEMAS, TOOLS
+from tests.e2e.openai_calls import TOOL_SCHEMAS, TOOLS, openai_client
 from tests.openai_schema import create, stream
 
 CHAT_SCHEMA, CHUNK_SCHEMA = "CreateChatCompletionResponse", "CreateChatCompletionStreamResponse"
@@ -25,7 +25,7 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    return openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    return openai_client(cluster)
 
 
 def chat(client, **kwargs):

@@ -56,30 +56,28 @@ class Llama3JsonToolCallStreamParser(CallTextStreamParser):
                 rest = rest[len(PYTHON_TAG):].lstrip(_WHITESPACE)
             elif PYTHON_TAG.startswith(rest):
                 return False  # whitespace only, or maybe the tag
-            if not rest:
-                return False
-            if rest[0] == "{":
-                self._start_call(text, rest)
-            else:
-                self._mode = _CONTENT
-            return True
+            return self._call_or_content(text, rest)
         if mode == _CALL:
             return self._read_call(events, text)
         if mode == _AFTER_CALL:
             rest = text.lstrip(_WHITESPACE)
             if rest.startswith(";"):
                 rest = rest[1:].lstrip(_WHITESPACE)
-            if not rest:
-                return False
-            if rest[0] == "{":
-                self._start_call(text, rest)
-            else:
-                self._mode = _CONTENT
-            return True
+            return self._call_or_content(text, rest)
         if mode == _CONTENT:
             self._add_content(events, text)
         self._text = ""
         return False
+
+    def _call_or_content(self, text: str, rest: str) -> bool:
+        """After the markup a call may follow: `rest`, `text` with it stripped, starts one or is content."""
+        if not rest:
+            return False
+        if rest[0] == "{":
+            self._start_call(text, rest)
+        else:
+            self._mode = _CONTENT
+        return True
 
     def _start_call(self, text: str, rest: str) -> None:
         self._call_prefix = text[:len(text) - len(rest)]
