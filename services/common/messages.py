@@ -106,7 +106,8 @@ class OutputExtras:
     num_cached_tokens: int = 0
     events: list[RequestEvent] = field(default_factory=list)
     error_message: str = ""
-    # "invalid_argument", "resource_exhausted", "unavailable" or "internal" when finish_reason is ERROR.
+    # "invalid_argument", "resource_exhausted", "unavailable" or "internal" when finish_reason is ERROR;
+    # "draining": refused by a draining engine before it started (the frontend sends it elsewhere).
     error_code: str = ""
 
     @property

@@ -38,6 +38,9 @@ class FrontendConfig:
     # Lowers the engine's context length for this frontend; None keeps the engine's.
     max_model_len: int | None = None
     shutdown_timeout_s: float = 30.0
+    # How long a request waits for a ready engine while the engine client hands over from one that
+    # drained or went away (0: refuse at once).
+    engine_wait_timeout_s: float = 10.0
     log_level: str = "INFO"
     # A Jinja chat template file to use instead of the model's own; None: the model's.
     chat_template: str | None = None
@@ -67,6 +70,8 @@ class FrontendConfig:
             raise ValueError(f"--max-model-len must be positive, got {self.max_model_len}")
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout_s}")
+        if self.engine_wait_timeout_s < 0:
+            raise ValueError(f"--engine-wait-timeout must be >= 0, got {self.engine_wait_timeout_s}")
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> FrontendConfig:
@@ -82,6 +87,7 @@ class FrontendConfig:
             cache_dir=ns.cache_dir or None,
             max_model_len=ns.max_model_len or None,
             shutdown_timeout_s=ns.shutdown_timeout,
+            engine_wait_timeout_s=ns.engine_wait_timeout,
             log_level=ns.log_level,
             chat_template=ns.chat_template or None,
             tool_call_parser=ns.tool_call_parser,
@@ -111,6 +117,9 @@ def add_frontend_flags(parser: argparse.ArgumentParser) -> None:
              help="api-keys: the engine port asks for --api-key as the public faces do; none: it asks for "
                   "nothing (a gateway that sends no credentials, such as SMG 1.13, on a port only it can reach)")
     add_flag(parser, "--scheduler-addr", default="127.0.0.1:50052", help="host:port of the scheduler")
+    add_flag(parser, "--engine-wait-timeout", type=float, default=10.0,
+             help="seconds a request waits for a ready engine while the frontend reconnects from one that "
+                  "drained or went away (0: refuse at once with 503)")
     add_flag(parser, "--model", default=None, help="model name or path (default: the embedded SmolLM2-135M)")
     add_flag(parser, "--served-model-name", default=None, help="model name clients send (default: the model's)")
     add_flag(parser, "--cache-dir", default=None, help="cache folder for converted models")

@@ -1,16 +1,22 @@
-"""The frontend's connection to the engine core: one long-lived bidirectional stream.
+"""The frontend's connection to the engine core: a long-lived bidirectional stream to the scheduler.
 
 Requests and aborts go out on the stream; one EngineCoreOutputs per engine step comes back and is
 dispatched to per-request queues. A request that only wants its final output (non-streaming, no stop
 strings) is not woken every step: its outputs are held here and handed over merged when it finishes,
 so a step costs such a request one list extend instead of a task wake-up. A step's plain outputs
-(new tokens only) arrive in columns and become objects only for requests that stream. When the
-scheduler goes away, every in-flight request fails with an "unavailable" error and the client
-reconnects with back-off.
+(new tokens only) arrive in columns and become objects only for requests that stream.
+
+Handover: when the engine says it drains (or its stream ends), the client is unready at once and
+opens a new connection (`EngineConnection`), while the draining engine finishes the requests it
+runs on the old one. A request that arrives meanwhile waits up to `max_wait_s` for a ready engine,
+and one the draining engine refused at the door (error_code "draining": never started) is sent
+again on the new connection, so a rollout costs the requests that had not started no error. When
+the scheduler goes away, the requests it was running fail with an "unavailable" error.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 from typing import Any, AsyncIterator, Sequence
@@ -19,7 +25,6 @@ import grpc
 
 from services.common import codec
 from services.common.gc_tuning import freeze_startup_objects
-from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.kv_events import KVEventBatch
 from services.common.messages import (
     EngineCoreOutput,
@@ -27,27 +32,29 @@ from services.common.messages import (
     EngineCoreRequest,
     EngineInfo,
     FinishReason,
-    OutputExtras,
     SchedulerStats,
 )
-from services.common.pb import engine_core_pb2, engine_core_pb2_grpc
-from services.common.service_auth import NO_SERVICE_AUTH, ServiceAuthConfig, open_channel
+from services.common.pb import engine_core_pb2
+from services.common.service_auth import NO_SERVICE_AUTH, ServiceAuthConfig
+from services.frontend.engine_connection import MAX_RECONNECT_BACKOFF_S, EngineConnection
 from services.frontend.engine_protocol import StepObserver
 from services.frontend.errors import EngineError
+from services.frontend.held_output import HeldOutput
 
 logger = logging.getLogger(__name__)
 
 STATS_POLL_INTERVAL_S = 1.0
-MAX_RECONNECT_BACKOFF_S = 5.0
-# gRPC's own reconnect back-off grows to 120 s by default: after a long scheduler outage the frontend
-# would stay unready for up to two minutes after the scheduler is back. Capped like our retries.
-SCHEDULER_CHANNEL_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.max_reconnect_backoff_ms", int(MAX_RECONNECT_BACKOFF_S * 1000))]
+MIN_RECONNECT_BACKOFF_S = 0.2
+DEFAULT_MAX_WAIT_S = 10.0
+# A request refused by draining engines this many times in a row fails (unavailable).
+MAX_SEND_ATTEMPTS = 3
 
 
 class EngineClient:
     def __init__(self, scheduler_addr: str, interceptors: Sequence[Any] = (),
-                 auth: ServiceAuthConfig = NO_SERVICE_AUTH):
+                 auth: ServiceAuthConfig = NO_SERVICE_AUTH, max_wait_s: float = DEFAULT_MAX_WAIT_S):
         self.scheduler_addr = scheduler_addr
+        self.max_wait_s = max_wait_s
         self.info: EngineInfo | None = None
         self.last_stats = SchedulerStats()
         # Observability hook: sees every step's outputs (services/frontend/observability.py); set by the server.
@@ -55,29 +62,39 @@ class EngineClient:
         self._is_worker_alive = False
         # `interceptors`: the tracing interceptors when tracing is on (services/common/telemetry.py);
         # `auth`: this frontend's certificate and/or the scheduler's token (services/common/service_auth.py).
-        self._channel = open_channel(scheduler_addr, auth, SCHEDULER_CHANNEL_OPTIONS, interceptors)
-        self._stub = engine_core_pb2_grpc.EngineCoreServiceStub(self._channel)
-        self._call = None
+        self._interceptors, self._auth = interceptors, auth
+        self._latest = EngineConnection(scheduler_addr, auth, interceptors)  # the newest: stats, control calls
+        self._active: EngineConnection | None = None  # where new requests go; None while unready
+        self._connections: set[EngineConnection] = {self._latest}
         self._queues: dict[str, asyncio.Queue[EngineCoreOutput]] = {}
+        self._connection_of: dict[str, EngineConnection] = {}
         # Outputs held for final-only requests until they finish.
         self._held: dict[str, HeldOutput] = {}
-        self._connected = asyncio.Event()
-        # grpc.aio allows one write in flight per call; concurrent requests take turns.
-        self._write_lock = asyncio.Lock()
+        self._ready = asyncio.Event()  # set while `is_ready`
+        self._replace = asyncio.Event()  # the active connection drained or ended: open another
         self._tasks: list[asyncio.Task] = []
+        self._readers: set[asyncio.Task] = set()
 
     @property
     def is_ready(self) -> bool:
-        return self._connected.is_set() and self._is_worker_alive and self.info is not None
+        return self._active is not None and self._is_worker_alive and self.info is not None
+
+    async def wait_ready(self) -> bool:
+        """Whether an engine is ready, waiting up to `max_wait_s` for one (a handover in progress)."""
+        if not self.is_ready and self.max_wait_s > 0:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._ready.wait(), self.max_wait_s)
+        return self.is_ready
 
     async def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._run_stream()), asyncio.create_task(self._poll_stats())]
+        self._tasks = [asyncio.create_task(self._maintain_connection()), asyncio.create_task(self._poll_stats())]
 
     async def close(self) -> None:
-        for task in self._tasks:
+        for task in [*self._tasks, *self._readers]:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self._channel.close()
+        await asyncio.gather(*self._tasks, *self._readers, return_exceptions=True)
+        for connection in list(self._connections):
+            await connection.close()
 
     async def generate(self, request: EngineCoreRequest, final_only: bool = False
                        ) -> AsyncIterator[EngineCoreOutput]:
@@ -85,49 +102,63 @@ class EngineClient:
 
         With `final_only` the outputs come merged into one, when the request finishes.
         """
-        if not self.is_ready:
-            raise EngineError("the engine is not ready", "unavailable")
-        if request.request_id in self._queues:
-            raise EngineError(f"duplicate request id {request.request_id!r}", "invalid_argument")
+        request_id = request.request_id
+        if request_id in self._queues:
+            raise EngineError(f"duplicate request id {request_id!r}", "invalid_argument")
         queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
-        self._queues[request.request_id] = queue
-        if final_only:
-            self._held[request.request_id] = HeldOutput()
+        self._queues[request_id] = queue
+        message = engine_core_pb2.ConnectRequest(add_request=codec.engine_core_request_to_pb(request))
         finished = False
         try:
-            await self._write(engine_core_pb2.ConnectRequest(add_request=codec.engine_core_request_to_pb(request)))
-            while True:
-                output = await queue.get()
-                if output.finish_reason == FinishReason.ERROR:
-                    finished = True
-                    raise EngineError(output.error_message or "engine error", output.error_code or "internal")
-                finished = output.finished
-                yield output
-                if finished:
-                    return
+            for _ in range(MAX_SEND_ATTEMPTS):
+                if not await self.wait_ready():
+                    raise EngineError("the engine is not ready", "unavailable")
+                connection = self._send_on(self._active, request_id, final_only)
+                await connection.write(message)
+                while True:
+                    output = await queue.get()
+                    if output.finish_reason == FinishReason.ERROR:
+                        if output.error_code == "draining":  # refused before it started
+                            connection.is_draining = True  # the refusal may come before the notice
+                            self._retire(connection, "the engine is draining")
+                            break  # send it to the next engine
+                        finished = True
+                        raise EngineError(output.error_message or "engine error", output.error_code or "internal")
+                    finished = output.finished
+                    yield output
+                    if finished:
+                        return
+            finished = True  # every attempt refused at the door: nothing runs
+            raise EngineError("the engine is draining", "unavailable")
         finally:
-            self._queues.pop(request.request_id, None)
-            self._held.pop(request.request_id, None)
-            if not finished:
-                await self._abort_quietly(request.request_id)
+            self._queues.pop(request_id, None)
+            self._held.pop(request_id, None)
+            connection = self._connection_of.pop(request_id, None)
+            if connection is not None:
+                connection.request_ids.discard(request_id)
+                if not finished:
+                    await self._abort_quietly(connection, request_id)
 
     async def abort(self, request_id: str) -> None:
-        await self._write(engine_core_pb2.ConnectRequest(
-            abort_requests=engine_core_pb2.AbortRequests(request_ids=[request_id])))
+        connection = self._connection_of.get(request_id)
+        if connection is not None:
+            await connection.write(engine_core_pb2.ConnectRequest(
+                abort_requests=engine_core_pb2.AbortRequests(request_ids=[request_id])))
 
     async def get_stats(self) -> tuple[SchedulerStats, bool]:
-        response = await self._stub.GetStats(engine_core_pb2.GetStatsRequest(), timeout=5)
-        return codec.scheduler_stats_from_pb(response.scheduler_stats), response.is_worker_alive
+        stats, is_worker_alive, _ = await self._get_stats(self._active or self._latest)
+        return stats, is_worker_alive
 
     async def reset_prefix_cache(self) -> bool:
+        stub = (self._active or self._latest).stub
         try:
-            response = await self._stub.ResetPrefixCache(engine_core_pb2.ResetPrefixCacheRequest(), timeout=10)
+            response = await stub.ResetPrefixCache(engine_core_pb2.ResetPrefixCacheRequest(), timeout=10)
         except grpc.aio.AioRpcError as exc:
             raise EngineError(f"the scheduler did not reset its prefix cache: {exc.details()}", "unavailable") from exc
         return response.done
 
     async def subscribe_kv_events(self) -> AsyncIterator[KVEventBatch]:
-        call = self._stub.SubscribeKvEvents(engine_core_pb2.SubscribeKvEventsRequest())
+        call = (self._active or self._latest).stub.SubscribeKvEvents(engine_core_pb2.SubscribeKvEventsRequest())
         try:
             async for batch in call:
                 yield codec.kv_event_batch_from_pb(batch)
@@ -137,51 +168,112 @@ class EngineClient:
             call.cancel()
 
     # --- internals -----------------------------------------------------------------------------------
-    async def _write(self, message: engine_core_pb2.ConnectRequest) -> None:
-        if self._call is None or not self._connected.is_set():
-            raise EngineError("not connected to the scheduler", "unavailable")
-        try:
-            async with self._write_lock:
-                await self._call.write(message)
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
-            raise EngineError(f"lost the scheduler: {exc}", "unavailable") from exc
+    def _send_on(self, connection: EngineConnection, request_id: str, final_only: bool) -> EngineConnection:
+        previous = self._connection_of.get(request_id)
+        if previous is not None:
+            previous.request_ids.discard(request_id)
+        self._connection_of[request_id] = connection
+        connection.request_ids.add(request_id)
+        if final_only:
+            self._held[request_id] = HeldOutput()
+        return connection
 
-    async def _abort_quietly(self, request_id: str) -> None:
+    async def _abort_quietly(self, connection: EngineConnection, request_id: str) -> None:
         try:
-            await asyncio.shield(self.abort(request_id))
+            await asyncio.shield(connection.write(engine_core_pb2.ConnectRequest(
+                abort_requests=engine_core_pb2.AbortRequests(request_ids=[request_id]))))
         except (EngineError, asyncio.CancelledError):
             pass  # the scheduler is gone, or aborts the request itself when the stream closes
 
-    async def _run_stream(self) -> None:
-        backoff_s = 0.2
+    def _set_active(self, connection: EngineConnection | None) -> None:
+        self._active = connection
+        if self.is_ready:
+            self._ready.set()
+        else:
+            self._ready.clear()
+
+    def _set_worker_alive(self, alive: bool) -> None:
+        self._is_worker_alive = alive
+        self._set_active(self._active)
+
+    def _retire(self, connection: EngineConnection, why: str) -> None:
+        """No new requests go to `connection` from now on; the client opens another."""
+        if self._active is connection:
+            self._set_active(None)
+            self._replace.set()
+            logger.info("scheduler %s: %s; opening a new connection", self.scheduler_addr, why)
+
+    def _new_connection(self) -> EngineConnection:
+        connection = EngineConnection(self.scheduler_addr, self._auth, self._interceptors)
+        self._connections.add(connection)
+        self._latest = connection
+        return connection
+
+    async def _discard(self, connection: EngineConnection) -> None:
+        self._connections.discard(connection)
+        await connection.close()
+
+    async def _maintain_connection(self) -> None:
+        """Keeps an active connection to a ready engine, opening a new one whenever it is retired."""
+        backoff_s = MIN_RECONNECT_BACKOFF_S
+        connection = self._latest
         while True:
             try:
-                info = await self._stub.GetEngineInfo(engine_core_pb2.GetEngineInfoRequest(), timeout=5,
-                                                      wait_for_ready=True)
-                self.info = codec.engine_info_from_pb(info)
-                self._is_worker_alive = True
-                self._call = self._stub.Connect()
-                if not self._connected.is_set() and gc.get_freeze_count() == 0:
-                    # Start-up objects (tokenizer, libraries) live for good: out of the full GC passes,
-                    # which would otherwise stall output dispatch for tens of ms now and then.
-                    freeze_startup_objects()
-                self._connected.set()
-                logger.info("connected to scheduler %s (model %s)", self.scheduler_addr, self.info.model_name)
-                backoff_s = 0.2
-                decoder = codec.OutputsDecoder()  # steady steps leave the ids out: see the proto
-                async for response in self._call:
-                    self._dispatch(decoder.decode(response.outputs))
-                raise EngineError("the scheduler closed the stream", "unavailable")
-            except asyncio.CancelledError:
-                raise
-            except (grpc.aio.AioRpcError, EngineError, ValueError) as exc:  # ValueError: a malformed message
-                self._connected.clear()
-                if self._call is not None:
-                    self._call.cancel()  # a stream we stopped reading: the scheduler drops its requests
-                why = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-                self._fail_all(f"lost the scheduler: {why}")
+                info = await connection.open()
+            except grpc.aio.AioRpcError as exc:
+                logger.debug("scheduler %s not ready: %s", self.scheduler_addr, exc.details())
+                # A draining engine, perhaps: the next channel (a new TCP connection) may reach another.
+                # The new one is made first: stats and control calls always have an open channel.
+                failed, connection = connection, self._new_connection()
+                await self._discard(failed)
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(backoff_s * 2, MAX_RECONNECT_BACKOFF_S)
+                continue
+            self.info = info
+            self._is_worker_alive = True
+            self._replace.clear()
+            self._set_active(connection)
+            if gc.get_freeze_count() == 0:
+                # Start-up objects (tokenizer, libraries) live for good: out of the full GC passes,
+                # which would otherwise stall output dispatch for tens of ms now and then.
+                freeze_startup_objects()
+            logger.info("connected to scheduler %s (model %s)", self.scheduler_addr, info.model_name)
+            reader = asyncio.create_task(self._read(connection))
+            self._readers.add(reader)
+            reader.add_done_callback(self._readers.discard)
+            await self._replace.wait()
+            was_lost = not connection.is_draining
+            if self._latest is connection:
+                self._new_connection()
+            connection = self._latest
+            if was_lost:  # lost, not drained: back off before trying again
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(backoff_s * 2, MAX_RECONNECT_BACKOFF_S)
+            else:
+                backoff_s = MIN_RECONNECT_BACKOFF_S
+
+    async def _read(self, connection: EngineConnection) -> None:
+        """Dispatches the connection's outputs until its stream ends, then fails what still ran on it."""
+        decoder = codec.OutputsDecoder()  # steady steps leave the ids out: see the proto
+        try:
+            async for response in connection.responses():
+                if response.draining:
+                    connection.is_draining = True
+                    self._retire(connection, "the engine is draining")
+                    continue
+                self._dispatch(decoder.decode(response.outputs))
+            why = "the scheduler closed the stream"
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AioRpcError as exc:
+            why = exc.details()
+        except ValueError as exc:  # a malformed message
+            why = str(exc)
+        self._retire(connection, f"lost ({why})")
+        self._fail(connection, f"lost the scheduler: {why}")
+        if self._latest is connection:  # stats and control calls keep an open channel
+            self._new_connection()
+        await self._discard(connection)
 
     def _dispatch(self, outputs: EngineCoreOutputs) -> None:
         if outputs.scheduler_stats is not None:
@@ -206,40 +298,30 @@ class EngineClient:
             if queue is not None:
                 queue.put_nowait(output)
 
-    def _fail_all(self, message: str) -> None:
-        self._held.clear()
-        for request_id, queue in list(self._queues.items()):
-            queue.put_nowait(EngineCoreOutput(request_id, [], finish_reason=FinishReason.ERROR,
-                                              error_message=message, error_code="unavailable"))
+    def _fail(self, connection: EngineConnection, message: str) -> None:
+        """Ends every request still running on `connection` with an "unavailable" error."""
+        for request_id in list(connection.request_ids):
+            self._held.pop(request_id, None)
+            queue = self._queues.get(request_id)
+            if queue is not None:
+                queue.put_nowait(EngineCoreOutput(request_id, [], finish_reason=FinishReason.ERROR,
+                                                  error_message=message, error_code="unavailable"))
+        connection.request_ids.clear()
+
+    async def _get_stats(self, connection: EngineConnection) -> tuple[SchedulerStats, bool, bool]:
+        response = await connection.stub.GetStats(engine_core_pb2.GetStatsRequest(), timeout=5)
+        return (codec.scheduler_stats_from_pb(response.scheduler_stats), response.is_worker_alive,
+                response.is_draining)
 
     async def _poll_stats(self) -> None:
         while True:
             await asyncio.sleep(STATS_POLL_INTERVAL_S)
+            connection = self._active or self._latest
             try:
-                self.last_stats, self._is_worker_alive = await self.get_stats()
+                self.last_stats, is_worker_alive, is_draining = await self._get_stats(connection)
             except grpc.aio.AioRpcError:
-                self._is_worker_alive = False
-
-
-class HeldOutput:
-    """A final-only request's outputs so far, merged as they arrive."""
-
-    __slots__ = ("token_ids", "logprobs", "events", "num_cached_tokens")
-
-    def __init__(self) -> None:
-        self.token_ids: list[int] = []
-        self.logprobs: list = []
-        self.events: list = []
-        self.num_cached_tokens = 0
-
-    def add(self, extras: OutputExtras) -> None:
-        """A step's extras (its tokens are added to `token_ids` by the caller)."""
-        self.logprobs += extras.new_logprobs
-        self.events += extras.events
-        self.num_cached_tokens = max(self.num_cached_tokens, extras.num_cached_tokens)
-
-    def merged(self, request_id: str, last: OutputExtras) -> EngineCoreOutput:
-        """Everything held (`last` included) as one output with `last`'s finish."""
-        return EngineCoreOutput(request_id, self.token_ids, self.logprobs, last.finish_reason, last.stop_reason,
-                                self.num_cached_tokens, self.events, last.error_message, last.error_code)
-
+                is_worker_alive, is_draining = False, False
+            self._set_worker_alive(is_worker_alive)
+            if is_draining and connection is self._active:  # the stream's notice, should a message be late
+                connection.is_draining = True
+                self._retire(connection, "the engine is draining")

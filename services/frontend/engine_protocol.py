@@ -26,6 +26,10 @@ class EngineClientProtocol(Protocol):
         """Connected, and the engine has a live worker."""
         ...
 
+    async def wait_ready(self) -> bool:
+        """`is_ready`, after waiting (a bounded time) for a handover to a ready engine in progress."""
+        ...
+
     def generate(self, request: EngineCoreRequest, final_only: bool = False) -> AsyncIterator[EngineCoreOutput]:
         """The request's outputs until it finishes; raises EngineError when the engine refuses or
         fails it. Closing the iterator early aborts the request. With `final_only` the outputs come

@@ -87,7 +87,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     async def Tokenize(self, request: generate_pb2.TokenizeRequest, context: Any) -> generate_pb2.TokenizeResponse:
         serving = self.serving
         serving.check_model(request.model or None)
-        serving.check_ready()  # max_model_len comes from the engine
+        await serving.wait_ready()  # max_model_len comes from the engine
         add_special_tokens = request.add_special_tokens if request.HasField("add_special_tokens") else True
         token_ids = await serving.async_tokenizer.encode_prompt(request.text, add_special_tokens=add_special_tokens)
         return generate_pb2.TokenizeResponse(
@@ -117,7 +117,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         generate = generate_request_from_pb(request)  # validated first, as the HTTP API does
         options = generate.options
         serving.check_model(options.model)
-        serving.check_ready()
+        await serving.wait_ready()
         await serving.check_constraint(options)
         if isinstance(generate.prompt, str):
             prompt_token_ids = await serving.async_tokenizer.encode_prompt(generate.prompt)

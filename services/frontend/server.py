@@ -69,7 +69,8 @@ class FrontendServer:
             from services.frontend.engine_client import EngineClient  # the integrator's module
 
             self.engine_client = EngineClient(self.config.scheduler_addr, client_interceptors(self.tracing),
-                                              auth=self.config.scheduler_auth)
+                                              auth=self.config.scheduler_auth,
+                                              max_wait_s=self.config.engine_wait_timeout_s)
             await self.engine_client.start()
 
         # Observability hook: /metrics, spans and request metrics (services/frontend/observability.py).

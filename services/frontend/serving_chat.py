@@ -25,7 +25,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, http_request: web.Request) -> web.StreamResponse:
         request = parse_chat_request(parse_json_body(await http_request.read()), self.model.generation_defaults)
         self.check_model(request.options.model)
-        self.check_ready()
+        await self.wait_ready()
         await self.check_constraint(request.options)
         tool_choice = request.tool_choice
         tools = list(tool_choice.tools) if tool_choice is not None and tool_choice.renders_tools else None

@@ -26,7 +26,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, http_request: web.Request) -> web.StreamResponse:
         request = parse_completion_request(parse_json_body(await http_request.read()), self.model.generation_defaults)
         self.check_model(request.options.model)
-        self.check_ready()
+        await self.wait_ready()
         await self.check_constraint(request.options)
         if isinstance(request.prompt, str):
             prompt_token_ids = await self.async_tokenizer.encode_prompt(request.prompt)

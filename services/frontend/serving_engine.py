@@ -147,6 +147,12 @@ class OpenAIServing:
         if not self.engine_client.is_ready:
             raise service_unavailable("The engine is not ready; try again shortly.")
 
+    async def wait_ready(self) -> None:
+        """`check_ready`, after waiting for the engine client's handover to a ready engine, if any."""
+        if not self.state.is_draining:
+            await self.engine_client.wait_ready()
+        self.check_ready()
+
     async def check_constraint(self, options: GenerationOptions) -> None:
         """A 400 naming the field if the request's output constraint does not parse (large ones
         are parsed on a tokenizer thread)."""

@@ -21,7 +21,7 @@ class OpenAIServingTokenization(OpenAIServing):
     async def create_tokenize(self, http_request: web.Request) -> web.Response:
         body = parse_json_body(await http_request.read())
         self.check_model(_model(body))
-        self.check_ready()  # max_model_len comes from the engine
+        await self.wait_ready()  # max_model_len comes from the engine
         if "messages" in body:
             chat = parse_chat_request({"messages": body["messages"], "tools": body.get("tools")})
             tools = chat.tool_choice.tools if chat.tool_choice is not None else None
@@ -41,7 +41,7 @@ class OpenAIServingTokenization(OpenAIServing):
     async def create_detokenize(self, http_request: web.Request) -> web.Response:
         body = parse_json_body(await http_request.read())
         self.check_model(_model(body))
-        self.check_ready()
+        await self.wait_ready()
         tokens = body.get("tokens")
         if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
             raise invalid_request("'tokens' must be an array of token ids.", param="tokens")

@@ -56,9 +56,11 @@ class EngineCore:
     # --- requests in, between steps ------------------------------------------------------------------
     def add_request(self, client_id: int, req: EngineCoreRequest) -> None:
         """Takes the client's request for the next step; a refusal goes back to the client alone."""
-        if not self.is_worker_alive or self.is_draining:
-            why = "the engine is draining" if self.is_draining else "the worker is unavailable"
-            self.router.send(client_id, error_outputs([req.request_id], why, "unavailable"))
+        if self.is_draining:  # never started: the frontend may send it to another engine
+            self.router.send(client_id, error_outputs([req.request_id], "the engine is draining", "draining"))
+            return
+        if not self.is_worker_alive:
+            self.router.send(client_id, error_outputs([req.request_id], "the worker is unavailable", "unavailable"))
             return
         request = Request(req)
         try:  # at the door, so a bad request waits for no step (the scheduler checks again when it adds it)
@@ -92,6 +94,13 @@ class EngineCore:
     def num_unfinished_requests(self) -> int:
         pending = len(self._pending_adds)
         return pending + (len(self.scheduler.requests) if self.scheduler is not None else 0)
+
+    def begin_drain(self) -> None:
+        """Refuses new requests from now on (error_code "draining") and tells the frontends."""
+        self.is_draining = True
+        self.router.announce_draining()
+        self._on_health_change(False)
+        self.wake()
 
     def wake(self) -> None:
         self._wakeup.set()

@@ -18,6 +18,13 @@ from services.common.messages import EngineCoreOutputs, FinishReason, OutputExtr
 from services.scheduler.tracing import SchedulerTracer
 
 
+class DrainNotice:
+    """Put on every frontend's queue when the engine begins to drain: its stream says so once."""
+
+
+DRAIN_NOTICE = DrainNotice()
+
+
 def error_outputs(request_ids: list[str], message: str, code: str) -> EngineCoreOutputs:
     """The requests finished with an error, as one step's outputs."""
     outputs = EngineCoreOutputs()
@@ -33,7 +40,8 @@ class OutputRouter:
         self.tracer = tracer
         self._client_ids = itertools.count(1)
         # Per frontend: its step outputs; None tells its stream handler that the frontend went away.
-        self._clients: dict[int, asyncio.Queue[EngineCoreOutputs | None]] = {}
+        self._clients: dict[int, asyncio.Queue[EngineCoreOutputs | DrainNotice | None]] = {}
+        self.is_draining = False
         # Engine request id -> client id; None once aborted: its outputs go nowhere, and the id stays
         # taken until the scheduler has dropped the request (`disown`), so steps in flight cannot
         # hand its tokens to a new request of the same id.
@@ -42,10 +50,19 @@ class OutputRouter:
         self._aliases: dict[tuple[int, str], str] = {}  # (client id, its request id) -> engine id
         self._frontend_ids: dict[str, str] = {}  # engine id -> the frontend's request id
 
-    def register_client(self) -> tuple[int, asyncio.Queue[EngineCoreOutputs | None]]:
+    def register_client(self) -> tuple[int, asyncio.Queue[EngineCoreOutputs | DrainNotice | None]]:
         client_id = next(self._client_ids)
         queue = self._clients[client_id] = asyncio.Queue()
+        if self.is_draining:
+            queue.put_nowait(DRAIN_NOTICE)
         return client_id, queue
+
+    def announce_draining(self) -> None:
+        """Tells every frontend, now and any that connects later, that the engine drains."""
+        if not self.is_draining:
+            self.is_draining = True
+            for queue in self._clients.values():
+                queue.put_nowait(DRAIN_NOTICE)
 
     def unregister_client(self, client_id: int) -> list[str]:
         """Forgets the frontend; returns the engine ids of the requests it owned (nobody is left to

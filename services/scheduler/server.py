@@ -18,7 +18,7 @@ from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.engine_core import EngineCore
 from services.scheduler.executor import Executor
 from services.scheduler.metrics import scheduler_registry
-from services.scheduler.output_router import OutputRouter
+from services.scheduler.output_router import DRAIN_NOTICE, OutputRouter
 from services.scheduler.tracing import SchedulerTracer
 from services.scheduler.worker_client import WorkerClient
 
@@ -46,6 +46,9 @@ class EngineCoreServicer(engine_core_pb2_grpc.EngineCoreServiceServicer):
                 outputs = await queue.get()
                 if outputs is None:
                     break  # the frontend closed its side
+                if outputs is DRAIN_NOTICE:
+                    yield engine_core_pb2.ConnectResponse(draining=True)
+                    continue
                 yield engine_core_pb2.ConnectResponse(outputs=encoder.encode(outputs))
         finally:
             reader.cancel()
@@ -65,6 +68,8 @@ class EngineCoreServicer(engine_core_pb2_grpc.EngineCoreServiceServicer):
 
     async def GetEngineInfo(self, request, context: grpc.aio.ServicerContext):
         info = self.engine.info
+        if self.engine.is_draining:  # a reconnecting frontend must pick another engine
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is draining")
         if info is None or not self.engine.is_worker_alive:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is not ready")
         return codec.engine_info_to_pb(info)
@@ -88,6 +93,7 @@ class EngineCoreServicer(engine_core_pb2_grpc.EngineCoreServiceServicer):
         return engine_core_pb2.GetStatsResponse(
             scheduler_stats=codec.scheduler_stats_to_pb(self.engine.get_stats()),
             is_worker_alive=self.engine.is_worker_alive,
+            is_draining=self.engine.is_draining,
         )
 
 
@@ -120,10 +126,8 @@ class SchedulerServer:
                     self.config.worker_addr)
 
     def begin_drain(self) -> None:
-        """New requests are refused from now on, and health turns NOT_SERVING."""
-        self.engine.is_draining = True
-        asyncio.get_running_loop().create_task(self.grpc.set_serving(False))
-        self.engine.wake()
+        """New requests are refused from now on, the frontends are told, and health turns NOT_SERVING."""
+        self.engine.begin_drain()
 
     async def drain(self, timeout_s: float) -> None:
         """Lets in-flight requests finish within `timeout_s`; what still runs then ends with an error."""

@@ -53,6 +53,9 @@ class WorkerConfig:
     log_level: str = "INFO"
     shutdown_timeout: float = 30.0
     fake_model: bool = False  # no weights; each step returns a fixed token (engine-overhead benchmark)
+    # With fake_model: a prompt holding this token id makes that step and every later one fail, as a
+    # sticky device fault does (the fault-handling tests); -1: never.
+    fake_fault_token_id: int = -1
     # A step running longer turns health NOT_SERVING (services/worker/step_watchdog.py); 0: never.
     step_timeout_s: float = 30.0
     # This many failed steps in a row (a sticky device fault fails every step) turn the worker
@@ -115,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
                   "for batches of more than 2 rows (3x the weight memory; batched decode about 1.9x faster)")
     add_flag(parser, "--fake-model", type=bool, default=False,
              help="load no weights; every step returns a fixed token at once (measures engine overhead)")
+    add_flag(parser, "--fake-model-fault-token-id", type=int, default=-1,
+             help="with --fake-model: a prompt holding this token id makes its step and every later one fail, "
+                  "as a sticky device fault does (for fault-handling tests; -1: never)")
     # The scheduler reads the same flag (and SPINDLE_WORKER_STEP_TIMEOUT_S) for its own timeout.
     add_flag(parser, "--worker-step-timeout-s", type=float, default=30.0,
              help="seconds one step may run before health turns NOT_SERVING (so a liveness probe restarts a "
@@ -149,6 +155,7 @@ def config_from_args(argv: list[str] | None = None) -> WorkerConfig:
         log_level=args.log_level,
         shutdown_timeout=args.shutdown_timeout,
         fake_model=args.fake_model,
+        fake_fault_token_id=args.fake_model_fault_token_id,
         step_timeout_s=args.worker_step_timeout_s,
         max_consecutive_failed_steps=args.worker_max_consecutive_failed_steps,
         telemetry=telemetry_config_from_args(args),

@@ -47,10 +47,13 @@ class FakeModelRunner:
     """The `ModelRunner` interface (initialize_kv_cache, reset, execute_model) with no model."""
 
     def __init__(self, kv_cache_layout: KVCacheLayout, token_id: int = FAKE_TOKEN_ID,
-                 vocab_size: int = FAKE_VOCAB_SIZE):
+                 vocab_size: int = FAKE_VOCAB_SIZE, fault_token_id: int = -1):
         self.kv_cache_layout = kv_cache_layout
         self.token_id = token_id
         self.vocab_size = vocab_size
+        # A prompt holding it faults the "device" for good: every step from then on raises.
+        self.fault_token_id = fault_token_id
+        self.is_faulted = False
         self.requests: dict[str, _FakeRequestState] = {}
         self.failed_req_ids: set[str] = set()  # as ModelRunner's: skipped until reported finished
 
@@ -65,6 +68,11 @@ class FakeModelRunner:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter_ns()
+        if self.fault_token_id >= 0 and not self.is_faulted:
+            self.is_faulted = any(self.fault_token_id in new.prompt_token_ids
+                                  for new in scheduler_output.scheduled_new_reqs)
+        if self.is_faulted:
+            raise RuntimeError("injected device fault (--fake-model-fault-token-id): every step fails")
         failed: dict[str, str] = {}
         self._update_states(scheduler_output, failed)
         req_ids: list[str] = []
@@ -151,4 +159,4 @@ def load_fake_model(config: WorkerConfig, dtype: torch.dtype) -> tuple[FakeModel
         vocab_size=FAKE_VOCAB_SIZE,
         attention_backend="none",
     )
-    return FakeModelRunner(layout), spec
+    return FakeModelRunner(layout, fault_token_id=config.fake_fault_token_id), spec

@@ -22,7 +22,9 @@ LONG_MAX_TOKENS = 60
 
 @pytest.fixture()
 def cluster(tmp_path):
-    c = SpindleCluster(tmp_path, env={"SPINDLE_MAX_MODEL_LEN": "2048", "SPINDLE_SHUTDOWN_TIMEOUT": "60"})
+    # A request sent while no engine is ready waits 1 s for one (the worker may be paused meanwhile).
+    c = SpindleCluster(tmp_path, env={"SPINDLE_MAX_MODEL_LEN": "2048", "SPINDLE_SHUTDOWN_TIMEOUT": "60",
+                                      "SPINDLE_ENGINE_WAIT_TIMEOUT": "1"})
     try:
         yield c.start()
     finally:

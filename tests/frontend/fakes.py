@@ -92,6 +92,9 @@ class FakeEngineClient:
         self.num_flush_calls = 0
         self.kv_batches: list = []  # KVEventBatch, for subscribe_kv_events
 
+    async def wait_ready(self) -> bool:
+        return self.is_ready
+
     async def generate(self, request: EngineCoreRequest, final_only: bool = False
                        ) -> AsyncIterator[EngineCoreOutput]:
         self.requests.append(request)

@@ -9,7 +9,8 @@ from services.common.messages import (
     RequestEvent,
     RequestEventType,
 )
-from services.frontend.engine_client import EngineClient, HeldOutput
+from services.frontend.engine_client import EngineClient
+from services.frontend.held_output import HeldOutput
 from tests.step_outputs import outputs_from
 
 
@@ -50,6 +51,6 @@ def test_dispatch_holds_final_only_outputs_until_the_finish():
         assert [(await streamed.get()).new_token_ids for _ in range(3)] == [[0], [1], [2]]
         final_output = await final.get()
         assert final_output.new_token_ids == [0, 9, 1, 9, 2] and final_output.finish_reason == FinishReason.LENGTH
-        await client._channel.close()
+        await client.close()
 
     asyncio.run(run())

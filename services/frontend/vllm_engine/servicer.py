@@ -77,7 +77,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         serving = self.serving
         generate = generate_request_from_pb(request, self.defaults)  # validated first, as the HTTP API does
         options = generate.options
-        serving.check_ready()
+        await serving.wait_ready()
         await serving.check_constraint(options)
         if isinstance(generate.prompt, str):  # tokenized as a completions prompt is
             prompt_token_ids = await serving.async_tokenizer.encode_prompt(generate.prompt)
