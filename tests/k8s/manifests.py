@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import functools
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -20,8 +21,10 @@ OVERLAYS = sorted(p.parent.name for p in (K8S / "overlays").glob("*/kustomizatio
 NAMESPACE = "spindle"
 CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
 # Kinds kubernetes-validate has no schema for (CRDs): test_crds.py checks these by hand (cert-manager's
-# Certificate and Issuer: test_service_auth.py).
-CRD_KINDS = {"ServiceMonitor", "InferencePool", "InferenceObjective", "HTTPRoute", "Certificate", "Issuer"}
+# Certificate and Issuer: test_service_auth.py; Istio's DestinationRule: test_gateway_wiring.py, against
+# the schema in schemas/).
+CRD_KINDS = {"ServiceMonitor", "InferencePool", "InferenceObjective", "HTTPRoute", "Certificate", "Issuer",
+             "DestinationRule"}
 
 
 def require_kubectl() -> str:
@@ -84,9 +87,21 @@ class Rendered:
     def selected(self, selector: dict[str, str]) -> list[PodTemplate]:
         return [t for t in self.pod_templates() if matches(selector, t.labels)]
 
+    def claim_mounts(self, pod: PodTemplate, claim: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+        """(container, volumeMount) for every container and init container of `pod` that mounts `claim`."""
+        volumes = {v["name"] for v in pod.spec.get("volumes", [])
+                   if v.get("persistentVolumeClaim", {}).get("claimName") == claim}
+        return [(c, m) for c in pod.containers + pod.spec.get("initContainers", [])
+                for m in c.get("volumeMounts", []) if m["name"] in volumes]
+
     def spindle_containers(self) -> list[tuple[PodTemplate, dict[str, Any]]]:
         """(pod, container) for every container that runs a Spindle service (`spindle <service>`)."""
         return [(t, c) for t in self.pod_templates() for c in t.containers if c.get("command", [""])[0] == "spindle"]
+
+    def expand(self, container: dict[str, Any], args: list[str]) -> list[str]:
+        """`args` with $(VAR) replaced from the container's environment, as the kubelet does."""
+        env = self.environment(container)
+        return [re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m[1], m[0]), a) for a in args]
 
     def config_map_data(self, name: str) -> dict[str, str]:
         config_map = self.get("ConfigMap", name)
@@ -100,8 +115,11 @@ class Rendered:
             env.update(self.config_map_data(source["configMapRef"]["name"]))
         for var in container.get("env", []):
             secret = var.get("valueFrom", {}).get("secretKeyRef")
+            config_key = var.get("valueFrom", {}).get("configMapKeyRef")
             if secret is not None:  # a stand-in the flag parsers accept (a token: no whitespace)
                 env[var["name"]] = f"<secret:{secret['name']}/{secret['key']}>"
+            elif config_key is not None:
+                env[var["name"]] = self.config_map_data(config_key["name"])[config_key["key"]]
             else:
                 env[var["name"]] = var.get("value", f"<{var['name']} from the downward API>")
         return env

@@ -38,7 +38,7 @@ def test_service_monitor_scrapes_every_metrics_port(overlay):
     port_names = {p.get("name") for s in services for p in s["spec"]["ports"]}
     for endpoint in spec["endpoints"]:
         assert set(endpoint) <= {"port", "path", "interval", "scrapeTimeout", "scheme", "relabelings",
-                                 "metricRelabelings", "honorLabels"}, endpoint
+                                 "metricRelabelings", "honorLabels", "authorization"}, endpoint
         assert endpoint["port"] in port_names, f"ServiceMonitor endpoint {endpoint['port']} matches no Service port"
         assert endpoint["path"] == "/metrics"
     # Frontend HTTP, scheduler metrics, worker metrics.

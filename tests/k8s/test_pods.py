@@ -1,5 +1,6 @@
 """Pod-level rules: the restricted Pod Security Standard, pinned images, drain that fits in the
-termination grace period, and GPUs requested by the worker only, only in GPU overlays."""
+termination grace period, GPUs requested by the worker only, only in GPU overlays, and engines and
+frontends spread across zones."""
 from __future__ import annotations
 
 import pytest
@@ -49,6 +50,31 @@ def test_images_are_pinned(overlay):
             image = container["image"]
             name, _, tag = image.rpartition(":")
             assert name and "/" not in tag and tag not in ("", "latest"), f"{pod.owner}/{container['name']}: {image}"
+
+
+ZONE, HOSTNAME = "topology.kubernetes.io/zone", "kubernetes.io/hostname"
+
+
+def test_engines_and_frontends_spread_across_zones_then_nodes(overlay):
+    """A zone outage takes a share of the engines and frontends, not all; ScheduleAnyway, since a
+    Pending engine (GPUs are scarce) is worse than an uneven spread."""
+    spread = 0
+    for pod in rendered(overlay).pod_templates():
+        if pod.labels.get("app.kubernetes.io/name") != "spindle" or pod.labels.get("app.kubernetes.io/component") not in (
+                "engine", "frontend"):
+            continue
+        constraints = {c["topologyKey"]: c for c in pod.spec.get("topologySpreadConstraints", [])}
+        assert {ZONE, HOSTNAME} <= set(constraints), f"{pod.owner}: spread over {sorted(constraints)}"
+        for key in (ZONE, HOSTNAME):
+            constraint = constraints[key]
+            assert constraint["whenUnsatisfiable"] == "ScheduleAnyway" and constraint["maxSkew"] == 1, pod.owner
+            assert constraint["labelSelector"]["matchLabels"] == {
+                "app.kubernetes.io/name": "spindle",
+                "app.kubernetes.io/component": pod.labels["app.kubernetes.io/component"]}, pod.owner
+            # Only this revision's pods count, or a rollout would skew against its own old pods.
+            assert constraint.get("matchLabelKeys") == ["pod-template-hash"], pod.owner
+        spread += 1
+    assert spread >= 1
 
 
 def test_writable_paths_are_volumes(overlay):

@@ -17,22 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from services.common.model_fetch import TOKENIZER_FILES, TOKENIZER_PATTERNS
+
 CHUNK_BYTES = 64 * 1024
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "tokenizer.model",  # SentencePiece
-    "chat_template.json",
-    "chat_template.jinja",
-    "config.json",
-    "generation_config.json",
-)
-EXTRA_PATTERNS = ("*.jinja", "*.tiktoken")  # more chat templates (additional_chat_templates), tiktoken vocabularies
 
 
 @dataclass(frozen=True)
@@ -51,7 +38,7 @@ class TokenizerZip:
 def build_tokenizer_zip(model_dir: Path) -> TokenizerZip:
     """Raises FileNotFoundError when the folder has no tokenizer file."""
     names = [name for name in TOKENIZER_FILES if (model_dir / name).is_file()]
-    for pattern in EXTRA_PATTERNS:
+    for pattern in TOKENIZER_PATTERNS:
         names += sorted(p.name for p in model_dir.glob(pattern) if p.is_file() and p.name not in names)
     if not any(name not in ("config.json", "generation_config.json") for name in names):
         raise FileNotFoundError(f"no tokenizer files in {model_dir}")
