@@ -41,7 +41,8 @@ $(GEN_STAMP): $(PROTOS) $(STAMP)
 
 proto: $(GEN_STAMP)
 
-# Starts frontend, scheduler and worker on the embedded default model (SPINDLE_* variables pass through).
+# Starts frontend, scheduler and worker on the embedded default model (SPINDLE_* variables pass through;
+# SPINDLE_TENSOR_PARALLEL_SIZE=2 starts two worker ranks).
 run: install
 	$(VENV)/bin/spindle serve
 

@@ -9,7 +9,8 @@ import sys
 import time
 
 SERVICES = ("worker", "scheduler", "frontend")
-USAGE = """spindle serve [--model PATH] [--dtype DTYPE]   start worker, scheduler and frontend
+USAGE = """spindle serve [--model PATH] [--dtype DTYPE] [--tensor-parallel-size N]
+                                              start worker(s), scheduler and frontend
 spindle frontend|scheduler|worker [FLAGS]     run one service (see `spindle worker --help`)
 
 Every flag also reads SPINDLE_<FLAG> from the environment (e.g. SPINDLE_DTYPE=float32)."""
@@ -30,12 +31,21 @@ def serve(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="spindle serve")
     parser.add_argument("--model", help="Hugging Face folder or GGUF file (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", help="auto, float32, bfloat16 or float16")
+    parser.add_argument("--tensor-parallel-size", type=int,
+                        help="worker ranks splitting the model, one worker process each (default 1)")
     args = parser.parse_args(argv)
     env = dict(os.environ)
     if args.model:
         env["SPINDLE_MODEL"] = args.model
     if args.dtype:
         env["SPINDLE_DTYPE"] = args.dtype
+    if args.tensor_parallel_size:
+        env["SPINDLE_TENSOR_PARALLEL_SIZE"] = str(args.tensor_parallel_size)
+    try:
+        worker_commands = _worker_commands(env)
+    except ValueError as exc:
+        print(f"spindle: {exc}", file=sys.stderr)
+        return 2
     # Handlers first: a signal while the children start must stop them too, not leave them behind.
     stopping = False
 
@@ -46,7 +56,9 @@ def serve(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     children: dict[str, subprocess.Popen] = {}
-    for name in SERVICES:
+    for name, command in worker_commands.items():
+        children[name] = subprocess.Popen(command, env=env)
+    for name in SERVICES[1:]:
         children[name] = subprocess.Popen([sys.executable, "-m", f"services.{name}"], env=env)
     print(f"spindle: started {', '.join(f'{n} (pid {p.pid})' for n, p in children.items())}; "
           f"HTTP on {env.get('SPINDLE_HTTP_HOST', '127.0.0.1')}:{env.get('SPINDLE_HTTP_PORT', '8000')}",
@@ -60,8 +72,8 @@ def serve(argv: list[str]) -> int:
                 exit_code = 1
                 stopping = True
         time.sleep(0.2)
-    # Frontend first so no new requests arrive, then the engine, then the worker.
-    for name in reversed(SERVICES):
+    # Frontend first so no new requests arrive, then the engine, then the workers.
+    for name in reversed(list(children)):
         child = children[name]
         if child.poll() is None:
             child.send_signal(signal.SIGTERM)
@@ -71,6 +83,25 @@ def serve(argv: list[str]) -> int:
                 child.kill()
                 child.wait()  # reaped, so no zombie outlives serve
     return exit_code
+
+
+def _worker_commands(env: dict[str, str]) -> dict[str, list[str]]:
+    """One worker command per tensor-parallel rank: rank r listens where the scheduler expects it
+    (services/scheduler/config.py: `--worker-addrs`, else `--worker-addr`'s port + r) and serves
+    metrics on the worker metrics port + r (a port of 0 stays off)."""
+    from services.scheduler.config import rank_addresses
+
+    size = int(env.get("SPINDLE_TENSOR_PARALLEL_SIZE", "1"))
+    command = [sys.executable, "-m", "services.worker"]
+    if size == 1:
+        return {"worker": command}
+    addrs = rank_addresses(env.get("SPINDLE_WORKER_ADDR", "127.0.0.1:50053"), env.get("SPINDLE_WORKER_ADDRS", ""), size)
+    metrics_port = int(env.get("SPINDLE_METRICS_PORT", "9093"))
+    return {
+        f"worker (rank {rank})": [*command, "--worker-addr", addr, "--tensor-parallel-rank", str(rank),
+                                  "--metrics-port", str(metrics_port + rank if metrics_port else 0)]
+        for rank, addr in enumerate(addrs)
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -261,6 +261,12 @@ class KVCacheSpec:
     dtype: str
     vocab_size: int
     attention_backend: str  # AttentionBackend.name, or "none" for the fake model
+    # Tensor parallelism (services/worker/parallel/): this rank of how many, every rank's shard layout
+    # (equal on all ranks of one engine), and where rank 0's rendezvous store listens.
+    tensor_parallel_rank: int = 0
+    tensor_parallel_size: int = 1
+    shard_layout: str = ""
+    tensor_parallel_port: int = 0
 
 
 @dataclass(frozen=True)

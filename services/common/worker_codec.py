@@ -280,6 +280,17 @@ class StepEncoder:
         return model_runner_output_from_pb(out, scheduled)
 
 
+def decode_acknowledgement(response: w_pb.ExecuteModelResponse, step_id: int) -> messages.ModelRunnerOutput:
+    """A tensor-parallel rank's answer to step `step_id` (only rank 0 returns tokens): an empty output.
+    Raises StepFailed if the rank failed the step; ValueError if the answer is another step's."""
+    out = response.model_runner_output
+    if out.step_id != step_id:
+        raise ValueError(f"an answer for step {out.step_id} where step {step_id} was due")
+    if response.error_message:
+        raise StepFailed(response.error_message)
+    return messages.ModelRunnerOutput(step_id=step_id)
+
+
 class StepDecoder:
     """The worker's end of one step stream: decodes each step against the last one that ran, and
     encodes each step's answer. Every step decoded must be answered before the next is decoded."""

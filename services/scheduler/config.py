@@ -40,7 +40,8 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class SchedulerServiceConfig:
     scheduler_addr: str
-    worker_addr: str
+    # The worker's address; under tensor parallelism the ranks' addresses, rank 0 first.
+    worker_addrs: tuple[str, ...]
     log_level: str
     shutdown_timeout_s: float
     scheduler: SchedulerConfig
@@ -55,10 +56,31 @@ class SchedulerServiceConfig:
             raise ValueError("worker_step_timeout_s must be >= 0 (0 disables the timeout)")
 
 
+def rank_addresses(worker_addr: str, worker_addrs: str, tensor_parallel_size: int) -> list[str]:
+    """The ranks' addresses: `worker_addrs` (comma-separated) when given, else one per rank on
+    consecutive ports from `worker_addr`'s (rank r at port + r)."""
+    if tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size must be >= 1, got {tensor_parallel_size}")
+    if worker_addrs:
+        addrs = [a.strip() for a in worker_addrs.split(",") if a.strip()]
+        if len(addrs) != tensor_parallel_size:
+            raise ValueError(f"--worker-addrs names {len(addrs)} workers, --tensor-parallel-size is {tensor_parallel_size}")
+        return addrs
+    host, _, port = worker_addr.rpartition(":")
+    if not port.isdigit():
+        raise ValueError(f"--worker-addr {worker_addr!r}: expected host:port")
+    return [f"{host}:{int(port) + rank}" for rank in range(tensor_parallel_size)]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spindle scheduler", description="Spindle engine core (scheduler)")
     add_flag(parser, "--scheduler-addr", default="127.0.0.1:50052", help="gRPC address to listen on")
-    add_flag(parser, "--worker-addr", default="127.0.0.1:50053", help="gRPC address of the worker")
+    add_flag(parser, "--worker-addr", default="127.0.0.1:50053",
+             help="gRPC address of the worker (of rank 0 under tensor parallelism; rank r at its port + r)")
+    add_flag(parser, "--tensor-parallel-size", type=int, default=1,
+             help="worker ranks that split the model, each a worker service (the workers read the same flag)")
+    add_flag(parser, "--worker-addrs", default="",
+             help="the ranks' addresses, comma-separated, rank 0 first (default: from --worker-addr)")
     add_flag(parser, "--max-num-batched-tokens", type=int, default=2048, help="token budget per engine step")
     add_flag(parser, "--max-num-seqs", type=int, default=256, help="most requests running at once")
     add_flag(parser, "--max-num-waiting-requests", type=int, default=0,
@@ -82,7 +104,7 @@ def config_from_args(argv: list[str] | None = None) -> SchedulerServiceConfig:
     args = build_parser().parse_args(argv)
     return SchedulerServiceConfig(
         scheduler_addr=args.scheduler_addr,
-        worker_addr=args.worker_addr,
+        worker_addrs=tuple(rank_addresses(args.worker_addr, args.worker_addrs, args.tensor_parallel_size)),
         log_level=args.log_level,
         shutdown_timeout_s=args.shutdown_timeout,
         worker_step_timeout_s=args.worker_step_timeout_s,

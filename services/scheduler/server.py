@@ -105,7 +105,8 @@ class SchedulerServer:
         self.config = config
         self.tracing = tracing
         self.grpc = GrpcServer(config.scheduler_addr, [SERVICE_NAME], server_interceptors(tracing), auth=config.auth)
-        self.executor = Executor([WorkerClient(config.worker_addr, client_interceptors(tracing), auth=config.auth)],
+        self.executor = Executor([WorkerClient(addr, client_interceptors(tracing), auth=config.auth)
+                                  for addr in config.worker_addrs],
                                  step_timeout_s=config.worker_step_timeout_s)
         router = OutputRouter(SchedulerTracer(tracing) if tracing is not None else None)
         self.engine = EngineCore(config.scheduler, self.executor, router, self._on_health_change)
@@ -123,7 +124,7 @@ class SchedulerServer:
         await self.grpc.start()
         self._engine_task = asyncio.create_task(self.engine.run(self._stop))
         logger.info("scheduler listening on %s, waiting for worker %s", self.config.scheduler_addr,
-                    self.config.worker_addr)
+                    ", ".join(self.config.worker_addrs))
 
     def begin_drain(self) -> None:
         """New requests are refused from now on, the frontends are told, and health turns NOT_SERVING."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from typing import Any, Sequence
 
 import grpc
@@ -35,6 +36,9 @@ class WorkerClient:
         self._stub: worker_pb2_grpc.WorkerServiceStub | None = None
         self._stream = None
         self._steps: worker_codec.StepEncoder | None = None  # this end of the stream, one per stream
+        # Steps encoded by another rank's client (the sampling rank's), oldest first: this rank
+        # answers them with acknowledgements only.
+        self._copied_step_ids: deque[int] = deque()
 
     async def connect(self, timeout_s: float = 5.0) -> KVCacheSpec:
         """Opens the channel and asks the worker how big its KV cache can be."""
@@ -52,20 +56,38 @@ class WorkerClient:
             raise WorkerUnavailable(f"worker at {self.address}: {exc.code().name} {exc.details()}") from exc
         return worker_codec.kv_cache_spec_from_pb(response)
 
-    async def initialize(self, num_blocks: int) -> None:
+    async def initialize(self, num_blocks: int, rendezvous_addr: str = "", generation: int = 0) -> None:
+        """Allocates the worker's KV cache and opens the step stream; a tensor-parallel rank first
+        forms group `generation` with the other ranks at `rendezvous_addr`."""
         assert self._stub is not None
+        request = worker_pb2.InitializeKVCacheRequest(num_blocks=num_blocks, tensor_parallel_rendezvous_addr=rendezvous_addr,
+                                                      tensor_parallel_generation=generation)
         try:
-            await self._stub.InitializeKVCache(worker_pb2.InitializeKVCacheRequest(num_blocks=num_blocks), timeout=600)
+            await self._stub.InitializeKVCache(request, timeout=600)
             self._stream = self._stub.ExecuteModel()
             self._steps = worker_codec.StepEncoder()  # a new stream: nothing to refer to at either end
+            self._copied_step_ids.clear()
         except grpc.aio.AioRpcError as exc:
             raise WorkerUnavailable(f"worker at {self.address}: {exc.code().name} {exc.details()}") from exc
 
-    async def submit(self, scheduler_output: SchedulerOutput) -> None:
-        """Sends a step; the worker runs steps in the order they are sent, one output each."""
+    async def submit(self, scheduler_output: SchedulerOutput) -> worker_pb2.ExecuteModelRequest:
+        """Sends a step; the worker runs steps in the order they are sent, one output each. Returns the
+        message sent, which `submit_copy` sends as is to the other tensor-parallel ranks."""
         if self._stream is None:
             raise WorkerUnavailable("no stream to the worker")
         request = worker_pb2.ExecuteModelRequest(scheduler_output=self._steps.encode(scheduler_output))
+        await self._write(request)
+        return request
+
+    async def submit_copy(self, request: worker_pb2.ExecuteModelRequest) -> None:
+        """Sends a step another rank's client encoded (every rank's stream carries the same messages
+        from the same start); this rank's answer to it is an acknowledgement."""
+        if self._stream is None:
+            raise WorkerUnavailable("no stream to the worker")
+        self._copied_step_ids.append(request.scheduler_output.step_id)
+        await self._write(request)
+
+    async def _write(self, request: worker_pb2.ExecuteModelRequest) -> None:
         try:
             await self._stream.write(request)
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
@@ -85,6 +107,8 @@ class WorkerClient:
             self._stream = None
             raise WorkerUnavailable("worker closed the stream")
         try:
+            if self._copied_step_ids:
+                return worker_codec.decode_acknowledgement(response, self._copied_step_ids.popleft())
             return self._steps.decode_output(response)
         except worker_codec.StepFailed as exc:
             raise WorkerStepError(str(exc)) from None

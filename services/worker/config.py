@@ -63,6 +63,13 @@ class WorkerConfig:
     max_consecutive_failed_steps: int = 3
     telemetry: TelemetryConfig = TelemetryConfig()  # traces endpoint and metrics port
     auth: ServiceAuthConfig = NO_SERVICE_AUTH  # who may call this worker: its scheduler
+    # Tensor parallelism (services/worker/parallel/): this worker is rank `tensor_parallel_rank` of
+    # `tensor_parallel_size`; rank 0 serves the group's rendezvous store on `tensor_parallel_port`;
+    # a collective (and the rendezvous) not done within `tensor_parallel_timeout_s` fails the step.
+    tensor_parallel_size: int = 1
+    tensor_parallel_rank: int = 0
+    tensor_parallel_port: int = 29500
+    tensor_parallel_timeout_s: float = 20.0
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -82,6 +89,13 @@ class WorkerConfig:
             raise ValueError(f"--worker-max-consecutive-failed-steps must be >= 0, got {self.max_consecutive_failed_steps}")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
+        if self.tensor_parallel_size < 1 or not 0 <= self.tensor_parallel_rank < self.tensor_parallel_size:
+            raise ValueError(f"--tensor-parallel-rank {self.tensor_parallel_rank} must be in [0, "
+                             f"--tensor-parallel-size {self.tensor_parallel_size})")
+        if not 0 < self.tensor_parallel_port < 65536:
+            raise ValueError(f"--tensor-parallel-port must be a port number, got {self.tensor_parallel_port}")
+        if self.tensor_parallel_timeout_s <= 0:
+            raise ValueError(f"--tensor-parallel-timeout-s must be > 0, got {self.tensor_parallel_timeout_s}")
 
 
 def parse_bytes(text: str) -> int:
@@ -128,6 +142,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--worker-max-consecutive-failed-steps", type=int, default=3,
              help="failed steps in a row after which the worker reports NOT_SERVING and ends its step stream "
                   "(a sticky device fault), so liveness restarts it; 0 never")
+    # The scheduler reads the same SPINDLE_TENSOR_PARALLEL_SIZE for the number of ranks it drives.
+    add_flag(parser, "--tensor-parallel-size", type=int, default=1,
+             help="worker ranks that split one model (each its own worker service); 1: no tensor parallelism")
+    add_flag(parser, "--tensor-parallel-rank", type=int, default=0, help="this worker's rank, 0 to size - 1")
+    add_flag(parser, "--tensor-parallel-port", type=int, default=29500,
+             help="port of the process group's rendezvous store, served by rank 0 on its host")
+    add_flag(parser, "--tensor-parallel-timeout-s", type=float, default=20.0,
+             help="seconds a collective or the rendezvous may wait for the other ranks before the step "
+                  "fails (a dead or hung rank); keep it below the scheduler's --worker-step-timeout-s")
     add_telemetry_flags(parser, default_metrics_port=9093)
     add_service_auth_flags(parser, accepts_token_of="worker", default_allowed_clients=SCHEDULER_IDENTITY)
     add_common_flags(parser)
@@ -160,6 +183,10 @@ def config_from_args(argv: list[str] | None = None) -> WorkerConfig:
         max_consecutive_failed_steps=args.worker_max_consecutive_failed_steps,
         telemetry=telemetry_config_from_args(args),
         auth=service_auth_config_from_args(args),
+        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_rank=args.tensor_parallel_rank,
+        tensor_parallel_port=args.tensor_parallel_port,
+        tensor_parallel_timeout_s=args.tensor_parallel_timeout_s,
     )
 
 
@@ -171,15 +198,21 @@ def cpu_has_native_bf16() -> bool:
     return bool(re.search(r"\b(amx_bf16|avx512_bf16)\b", flags))
 
 
-def resolve_device(name: str) -> torch.device:
-    """auto: the GPU when PyTorch sees one (the CuPy kernels run there), else the CPU."""
+def resolve_device(name: str, tensor_parallel_rank: int = 0) -> torch.device:
+    """auto: the GPU when PyTorch sees one (the CuPy kernels run there), else the CPU. A rank of a
+    tensor-parallel group that sees several GPUs (ranks started side by side on one machine) takes
+    GPU `rank mod count`; one that sees a single GPU (a container given one) takes that one."""
     has_cuda = torch.cuda.is_available()
     if name == "cuda" and not has_cuda:
         raise ValueError(
             "--device cuda: no CUDA device visible to PyTorch (a CPU build of torch, or no driver); "
             "use --device cpu"
         )
-    return torch.device("cuda") if name == "cuda" or (name == "auto" and has_cuda) else torch.device("cpu")
+    if name == "cuda" or (name == "auto" and has_cuda):
+        device = torch.device("cuda", tensor_parallel_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)  # NCCL's communicator and the CuPy kernels use the current device
+        return device
+    return torch.device("cpu")
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -9,7 +9,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 from safetensors import safe_open
@@ -18,6 +18,9 @@ from torch import nn
 from services.common.model_files import resolve_model
 from services.worker.models import get_model_class
 from services.worker.platforms import Platform
+
+if TYPE_CHECKING:  # imported by tensor-parallel workers only
+    from services.worker.parallel import ModelShard
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +60,12 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
-def load_model(model: str | Path, platform: Platform, cache_dir: str | None = None, config=None) -> nn.Module:
+def load_model(model: str | Path, platform: Platform, cache_dir: str | None = None, config=None,
+               shard: ModelShard | None = None) -> nn.Module:
     """Returns the model in eval mode, built on `platform` (its dtype, device, attention backend and
-    layer ops), with every parameter filled from the checkpoint and then repacked by the platform."""
+    layer ops), with every parameter filled from the checkpoint and then repacked by the platform.
+    With a tensor-parallel `shard`, `config` is the rank's (`shard.local_hf_config`): the row-parallel
+    projections are swapped in before loading and each checkpoint tensor is cut to the rank's part."""
     model_path = Path(model)
     if model_path.suffix == ".gguf":
         model_path = resolve_model(str(model_path), cache_dir).path
@@ -69,8 +75,11 @@ def load_model(model: str | Path, platform: Platform, cache_dir: str | None = No
     with _default_dtype(platform.dtype), torch.device(platform.device):
         # Parameters are created uninitialised (torch.empty): the checkpoint fills them.
         net = model_cls(config, platform)
+        if shard is not None:
+            shard.parallelize(net)
+    weights = iterate_weights(model_path)
     with torch.no_grad():
-        loaded = net.load_weights(iterate_weights(model_path))
+        loaded = net.load_weights(shard.slice_weights(weights) if shard is not None else weights)
     missing = {name for name, _ in net.named_parameters()} - loaded
     if missing:
         raise ValueError(f"checkpoint in {model_path} lacks {sorted(missing)[:5]} ({len(missing)} missing)")

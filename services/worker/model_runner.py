@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -38,10 +39,18 @@ from services.worker.kv_cache import KVCacheLayout, allocate_kv_caches
 from services.worker.sampler import Sampler, TorchSampler
 from services.worker.sampling_metadata import build_sampling_metadata
 from services.worker.structured_output.grammar_compiler import GrammarCompiler
+from services.worker.parallel.process_group import CollectiveError
 from services.worker.structured_output.grammar_state import GrammarBitmask, GrammarState
+
+if TYPE_CHECKING:
+    from services.worker.parallel import TensorParallelGroup
 
 # An idle step with compiles running waits this long for one to finish before it answers.
 MAX_GRAMMAR_WAIT_S = 0.005
+# Tensor parallelism: what the sampling rank broadcasts for a request that failed at sampling, and
+# for a step whose sampling raised.
+FAILED_TOKEN = -1
+STEP_FAILED_TOKEN = -2
 
 
 @dataclass(frozen=True)
@@ -68,8 +77,14 @@ class ModelRunner:
         eos_token_ids: tuple[int, ...] = (),
         sampler: Sampler | None = None,
         grammar_compiler: GrammarCompiler | None = None,
+        tp_group: TensorParallelGroup | None = None,
     ):
+        """`tp_group`: this rank's tensor-parallel group. Every rank runs the forward on its shard;
+        only the sampling rank (0) computes logits, samples and keeps grammars, and it broadcasts the
+        step's sampled tokens so the other ranks append the same tokens to their requests."""
         self.model = model
+        self.tp_group = tp_group
+        self.is_sampling_rank = tp_group is None or tp_group.is_sampling_rank
         self.config = config
         self.device = device
         self.attn_backend = attn_backend
@@ -113,7 +128,7 @@ class ModelRunner:
         if not self.kv_caches:
             raise RuntimeError("KV cache not initialised: InitializeKVCache must come first")
         failed: dict[str, str] = {}
-        if scheduler_output.grammars_to_compile:
+        if scheduler_output.grammars_to_compile and self.is_sampling_rank:
             self.grammar_compiler.submit(scheduler_output.grammars_to_compile)
         self._update_states(scheduler_output, failed)
         inputs = self._prepare_inputs(scheduler_output, failed)
@@ -125,12 +140,14 @@ class ModelRunner:
         prepared = time.perf_counter_ns()
         hidden_states = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         logits = None
-        if len(inputs.sample_indices):
+        if len(inputs.sample_indices) and self.is_sampling_rank:
             logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
         forwarded = time.perf_counter_ns()
         sampled = [[] for _ in inputs.req_ids]
         logprobs = [None] * len(inputs.req_ids)
-        if logits is not None:
+        if self.tp_group is not None and len(inputs.sample_indices):
+            self._sample_across_ranks(inputs, logits, sampled, logprobs, failed)
+        elif logits is not None:
             self._sample(inputs, logits, sampled, logprobs, failed)
         done = time.perf_counter_ns()
         compiled, failed_grammars = self.grammar_compiler.take_results()
@@ -230,7 +247,7 @@ class ModelRunner:
 
     def _new_grammar_state(self, new: NewRequestData) -> GrammarState | None:
         params = new.sampling_params.structured_outputs
-        if params is None:
+        if params is None or not self.is_sampling_rank:
             return None
         try:
             return GrammarState(self.grammar_compiler.get(params))
@@ -324,6 +341,33 @@ class ModelRunner:
             self.input_batch.append_token(row, token_id)
             sampled[i] = [token_id]
             logprobs[i] = token_logprobs
+
+    def _sample_across_ranks(self, inputs: ModelInputs, logits: torch.Tensor | None, sampled: list,
+                             logprobs: list, failed: dict[str, str]) -> None:
+        """Rank 0 samples and broadcasts one token per sampling request (FAILED_TOKEN where the request
+        failed, STEP_FAILED_TOKEN everywhere when sampling raised, so no rank waits for it in vain);
+        the other ranks append the same tokens and fail the same requests."""
+        tokens = torch.empty(len(inputs.sample_indices), dtype=torch.int64, device=self.device)
+        if self.is_sampling_rank:
+            try:
+                self._sample(inputs, logits, sampled, logprobs, failed)
+            except Exception:
+                self.tp_group.broadcast(tokens.fill_(STEP_FAILED_TOKEN))
+                raise
+            tokens.copy_(torch.tensor([sampled[i][0] if sampled[i] else FAILED_TOKEN
+                                       for i in inputs.sample_indices.tolist()]))
+            self.tp_group.broadcast(tokens)
+            return
+        received = self.tp_group.broadcast(tokens).tolist()
+        if received and received[0] == STEP_FAILED_TOKEN:
+            raise CollectiveError("the sampling rank failed this step")
+        rows = inputs.rows[inputs.sample_indices].tolist()
+        for i, row, token_id in zip(inputs.sample_indices.tolist(), rows, received, strict=True):
+            if token_id == FAILED_TOKEN:
+                self._fail_request(inputs.req_ids[i], "failed on the sampling rank", failed)
+                continue
+            self.input_batch.append_token(row, token_id)
+            sampled[i] = [token_id]
 
     def _apply_grammars(self, logits: torch.Tensor, grammars: list[GrammarState | None]) -> torch.Tensor:
         """Masks what each constrained row's grammar forbids (float32 logits, in place)."""

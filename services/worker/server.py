@@ -25,6 +25,7 @@ from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.common.telemetry import Tracing, server_interceptors, setup_tracing
 from services.worker.config import WorkerConfig
 from services.worker.metrics import WorkerMetrics
+from services.worker.parallel.process_group import CollectiveError
 from services.worker.scheduler_lease import SchedulerLease
 from services.worker.step_watchdog import StepWatchdog
 from services.worker.tracing import WorkerTracer
@@ -89,7 +90,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     async def _initialize_kv_cache(self, request, context):
         try:
-            num_blocks, num_bytes = await self._run(self.worker.initialize_kv_cache, request.num_blocks)
+            num_blocks, num_bytes = await self._run(
+                self.worker.initialize_kv_cache, request.num_blocks, request.tensor_parallel_rendezvous_addr,
+                request.tensor_parallel_generation)
+        except CollectiveError as exc:  # the other ranks did not all arrive: the scheduler retries
+            logger.error("InitializeKVCache: %s", exc)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"tensor parallel rendezvous failed: {exc}")
         except (ValueError, RuntimeError, MemoryError) as exc:
             logger.exception("InitializeKVCache(%d) failed", request.num_blocks)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"cannot allocate the KV cache: {exc}")
@@ -134,7 +140,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             return steps.encode_output(output)
         except Exception as exc:  # noqa: BLE001 - any failure is reported to the scheduler, not raised
             logger.exception("step %d failed", step_id)
-            if has_run:
+            # A collective that failed is a peer rank's death or hang, not this device's fault.
+            if has_run and not isinstance(exc, CollectiveError):
                 self.num_consecutive_failed_steps += 1
             self.metrics.on_step_failed()
             return steps.encode_failure(step_id, f"worker step {step_id} failed: {type(exc).__name__}: {exc}")

@@ -50,13 +50,23 @@ class SpindleCluster:
     """frontend + scheduler + worker, each `python -m services.<name>`, configured by SPINDLE_* variables."""
 
     def __init__(self, log_dir: Path, env: dict[str, str] | None = None, attention_backend: str = "cpu",
-                 service_env: dict[str, dict[str, str]] | None = None):
+                 service_env: dict[str, dict[str, str]] | None = None, tensor_parallel_size: int = 1):
         """attention_backend: what the worker must report once healthy ("cpu" is the compiled C decode
         kernel), so a failed kernel build cannot pass the parity tests on the PyTorch fallback.
-        service_env: variables for one service only (its certificate, its tokens), by service name."""
+        service_env: variables for one service only (its certificate, its tokens), by service name.
+        tensor_parallel_size: worker ranks; rank 0 is the service "worker", rank r "worker{r}"."""
         self.log_dir = log_dir
         self.attention_backend = attention_backend
-        http_port, frontend_grpc_port, engine_grpc_port, scheduler_port, worker_port = free_ports(5)
+        num_ranks = tensor_parallel_size
+        ports = free_ports(5 + num_ranks)
+        http_port, frontend_grpc_port, engine_grpc_port, scheduler_port, worker_port = ports[:5]
+        self.worker_names = ["worker"] + [f"worker{r}" for r in range(1, num_ranks)]
+        self.worker_addrs = [f"127.0.0.1:{worker_port}"] + [f"127.0.0.1:{p}" for p in ports[5:-1]]
+        tp_env = {} if num_ranks == 1 else {
+            "SPINDLE_TENSOR_PARALLEL_SIZE": str(num_ranks),
+            "SPINDLE_WORKER_ADDRS": ",".join(self.worker_addrs),
+            "SPINDLE_TENSOR_PARALLEL_PORT": str(ports[-1]),  # rank 0's rendezvous store
+        }
         self.http_port = http_port
         self.frontend_grpc_addr = f"127.0.0.1:{frontend_grpc_port}"
         self.engine_grpc_port = engine_grpc_port  # vLLM's engine protocol (VllmEngine)
@@ -78,9 +88,14 @@ class SpindleCluster:
             # Clusters of several tests may run side by side: no fixed metrics ports.
             "SPINDLE_METRICS_PORT": "0",
             "PYTHONUNBUFFERED": "1",
+            **tp_env,
             **(env or {}),
         }
-        self.service_env = service_env or {}
+        self.service_env = dict(service_env or {})
+        for rank, (name, addr) in enumerate(zip(self.worker_names, self.worker_addrs)):
+            if num_ranks > 1:
+                rank_env = {"SPINDLE_WORKER_ADDR": addr, "SPINDLE_TENSOR_PARALLEL_RANK": str(rank)}
+                self.service_env[name] = {**rank_env, **self.service_env.get(name, {})}
         self.procs: dict[str, subprocess.Popen] = {}
 
     @property
@@ -93,14 +108,15 @@ class SpindleCluster:
 
     def start_service(self, name: str) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "ab")
-        proc = subprocess.Popen([sys.executable, "-m", f"services.{name}"], cwd=ROOT,
+        module = "worker" if name in self.worker_names else name
+        proc = subprocess.Popen([sys.executable, "-m", f"services.{module}"], cwd=ROOT,
                                 env={**self.env, **self.service_env.get(name, {})},
                                 stdout=log, stderr=subprocess.STDOUT)
         self.procs[name] = proc
         return proc
 
     def start(self, timeout_s: float = 300) -> "SpindleCluster":
-        for name in ("worker", "scheduler", "frontend"):
+        for name in (*self.worker_names, "scheduler", "frontend"):
             self.start_service(name)
         self.wait_healthy(timeout_s)
         with urllib.request.urlopen(self.base_url + "/stats", timeout=10) as resp:
@@ -142,7 +158,7 @@ class SpindleCluster:
         return proc.returncode
 
     def stop(self) -> None:
-        for name in ("frontend", "scheduler", "worker"):
+        for name in ("frontend", "scheduler", *self.worker_names):
             if name in self.procs:
                 self.stop_service(name)
 

@@ -11,20 +11,26 @@ from services.scheduler.executor import MAX_RECONNECT_BACKOFF_S, Executor
 
 
 class FakeRank:
-    def __init__(self, address: str, num_blocks: int):
+    def __init__(self, address: str, num_blocks: int, rank: int = 0, world_size: int = 1):
         self.address = address
         self.num_blocks = num_blocks
+        self.rank, self.world_size = rank, world_size
         self.initialized: list[int] = []
         self.steps: list[int] = []
         self.is_open = True
 
     async def connect(self) -> KVCacheSpec:
-        return KVCacheSpec(16, self.num_blocks, 1024, 256, "m", "cpu", "float32", 100, "none")
+        return KVCacheSpec(16, self.num_blocks, 1024, 256, "m", "cpu", "float32", 100, "none",
+                           tensor_parallel_rank=self.rank, tensor_parallel_size=self.world_size)
 
-    async def initialize(self, num_blocks: int) -> None:
+    async def initialize(self, num_blocks: int, rendezvous_addr: str = "", generation: int = 0) -> None:
         self.initialized.append(num_blocks)
 
-    async def submit(self, scheduler_output: SchedulerOutput) -> None:
+    async def submit(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
+        self.steps.append(scheduler_output.step_id)
+        return scheduler_output  # what the other ranks are sent
+
+    async def submit_copy(self, scheduler_output: SchedulerOutput) -> None:
         self.steps.append(scheduler_output.step_id)
 
     async def receive(self) -> ModelRunnerOutput:
@@ -39,7 +45,7 @@ class FakeRank:
 
 def test_every_rank_gets_each_step_and_the_first_rank_answers():
     async def run():
-        ranks = [FakeRank("rank0", 100), FakeRank("rank1", 80)]
+        ranks = [FakeRank("rank0", 100, 0, 2), FakeRank("rank1", 80, 1, 2)]
         executor = Executor(ranks)
         spec = await executor.start()
         assert spec.num_blocks == 80 and [r.initialized for r in ranks] == [[80], [80]]
