@@ -6,7 +6,7 @@ stamp file records the install spec, and a failure returns the reason, which the
 "skipped: <reason>". torch is pinned to the CPU build on local disk (an unpinned torch would pull a
 multi-GB CUDA build).
 
-    .venv/bin/python -m benchmarks.peers install [transformers-serve] [llama-cpp]
+    .venv/bin/python -m benchmarks.peers install [transformers-serve] [llama-cpp] [openvino]
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ class PeerSpec:
     check: str  # Python run in the venv that must succeed after install
     env: tuple[tuple[str, str], ...] = ()
     timeout_s: int = 1800
+    uninstall: tuple[str, ...] = ()  # removed after the install steps (dependencies that break the peer)
 
 
 PEERS = {
@@ -44,6 +45,16 @@ PEERS = {
         check="import llama_cpp, llama_cpp.server; print(llama_cpp.__version__)",
         env=(("CMAKE_BUILD_PARALLEL_LEVEL", "2"),),
         timeout_s=3600,
+    ),
+    # OpenVINO GenAI, driven in-process by benchmarks/openvino_peer.py; optimum-intel exports the IR.
+    # torch is repeated in the second step so that no dependency can move it off the CPU build, and
+    # the torchvision optimum-intel pulls in does not import with it (the export does not need it).
+    "openvino": PeerSpec(
+        "openvino",
+        packages=((TORCH,), ("openvino==2026.4.1", "openvino-tokenizers==2026.4.1.0", "openvino-genai==2026.4.1.0",
+                             "optimum-intel[openvino]==2.2.0", TORCH)),
+        check="import torch, openvino_genai, optimum.intel; print(openvino_genai.__version__.split('-')[0], torch.__version__)",
+        uninstall=("torchvision",),
     ),
 }
 
@@ -63,7 +74,11 @@ def _stamp(name: str) -> Path:
 def is_installed(name: str) -> bool:
     spec = PEERS[name]
     stamp = _stamp(name)
-    return stamp.exists() and json.loads(stamp.read_text()).get("packages") == [list(p) for p in spec.packages]
+    return stamp.exists() and json.loads(stamp.read_text()).get("packages") == _stamped_packages(spec)
+
+
+def _stamped_packages(spec: PeerSpec) -> list[list[str]]:
+    return [list(p) for p in spec.packages] + ([["uninstall", *spec.uninstall]] if spec.uninstall else [])
 
 
 def install(name: str, log=print) -> str:
@@ -87,6 +102,10 @@ def install(name: str, log=print) -> str:
                 subprocess.run([str(venv_python(name)), "-m", "pip", "install", "-q", *packages], check=True,
                                stdout=out, stderr=subprocess.STDOUT, env=env,
                                timeout=max(60, spec.timeout_s - (time.monotonic() - start)))
+            if spec.uninstall:
+                log(f"[peers] {name}: pip uninstall {' '.join(spec.uninstall)}")
+                subprocess.run([str(venv_python(name)), "-m", "pip", "uninstall", "-y", "-q", *spec.uninstall],
+                               check=True, stdout=out, stderr=subprocess.STDOUT, timeout=300)
             version = subprocess.run([str(venv_python(name)), "-c", spec.check], check=True, capture_output=True,
                                      text=True, timeout=300).stdout.strip()
         except subprocess.TimeoutExpired:
@@ -95,7 +114,7 @@ def install(name: str, log=print) -> str:
             tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
             why = " / ".join(line.strip() for line in tail if line.strip() and "Location" not in line)
             return f"install failed ({' '.join(map(str, exc.cmd[-2:]))}): {why[-300:]} (log: {log_path})"
-    _stamp(name).write_text(json.dumps({"packages": [list(p) for p in spec.packages], "version": version,
+    _stamp(name).write_text(json.dumps({"packages": _stamped_packages(spec), "version": version,
                                         "seconds": round(time.monotonic() - start)}))
     log(f"[peers] {name}: installed ({version}) in {time.monotonic() - start:.0f} s")
     return ""

@@ -36,6 +36,8 @@ def serving_rows(result: dict) -> list[list[str]]:
                 note = (note + "; " if note else "") + f"cut at {s['time_limit_s']:.0f} s"
             if s.get("num_repeats", 1) > 1:
                 note = (note + "; " if note else "") + f"median of {s['num_repeats']}"
+            if s.get("scheduler"):  # an in-process peer: what its pipeline scheduled, measured per step
+                note = (note + "; " if note else "") + scheduled_note(s["scheduler"])
             rows.append([
                 server["name"], scenario_label(s), _fmt(s["request_throughput"], ".2f"),
                 _fmt(s["output_throughput"], ".1f"),
@@ -48,6 +50,34 @@ def serving_rows(result: dict) -> list[list[str]]:
                 note,
             ])
     return rows
+
+
+def scheduled_note(steps: dict) -> str:
+    return (f"peak {steps['max_num_scheduled']} scheduled, mean {steps['mean_num_scheduled']:.1f} over "
+            f"{steps['num_steps']} steps")
+
+
+def single_stream_rows(result: dict) -> list[list[str]]:
+    rows = []
+    for server in result["servers"]:
+        if (single := server.get("single_stream")) and not server.get("skip_reason"):
+            rows.append([server["name"], str(single["num_tokens"]), _fmt(single["tok_s"], ".1f"),
+                         _fmt(single["decode_tok_s"], ".1f"), _fmt(single["ttft_ms"])])
+    return rows
+
+
+SINGLE_STREAM_HEADERS = ["server", "tokens", "tok/s", "decode tok/s (after the first)", "TTFT ms"]
+
+
+def max_num_seqs_lines(result: dict) -> list[str]:
+    """What the OpenVINO probe found: whether max_num_seqs bounded the scheduled requests, per mode."""
+    lines = []
+    for server in result["servers"]:
+        for p in (server.get("info") or {}).get("max_num_seqs_probe") or []:
+            lines.append(f"{server['name']}: max_num_seqs {p['max_num_seqs']} at c={p['concurrency']}, dynamic "
+                         f"split-fuse {'on' if p['dynamic_split_fuse'] else 'off'}: peak {p['max_num_scheduled']} "
+                         f"scheduled ({'in force' if p['is_in_force'] else 'NOT in force'})")
+    return lines
 
 
 SERVING_HEADERS = ["server", "scenario", "req/s", "out tok/s", "TTFT p50/p99 ms", "ITL p50/p99 ms",
@@ -133,6 +163,10 @@ GOAL_HEADERS = ["goal", "measured", "target", "status"]
 
 def render(result: dict) -> str:
     parts = [f"Online serving ({result['workload_note']})", table(SERVING_HEADERS, serving_rows(result))]
+    if rows := single_stream_rows(result):
+        parts += ["", "Single stream (one request, greedy, EOS ignored)", table(SINGLE_STREAM_HEADERS, rows)]
+    if lines := max_num_seqs_lines(result):
+        parts += ["", "OpenVINO scheduler check (max_num_seqs against the requests scheduled per step)", *lines]
     if result.get("engine_overhead"):
         parts += ["", "Engine overhead (fake-model worker: a step's time is all overhead)",
                   table(OVERHEAD_HEADERS, overhead_rows(result))]

@@ -24,9 +24,10 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import peers, report
+from benchmarks import openvino_peer, peers, report
 from benchmarks.loadgen import run_scenario
-from benchmarks.servers import LOG_DIR, RESULTS_DIR, ProcessServer, Server, SpindleServer, free_port
+from benchmarks.servers import (LOG_DIR, RESULTS_DIR, ProcessServer, Server, SpindleServer, free_port,
+                               transformers_serve_dtype)
 from benchmarks.workload import (ChatRequest, WorkloadSpec, build_workload, count_prompt_tokens,
                                 load_default_tokenizer)
 
@@ -73,6 +74,8 @@ def gguf_path() -> str:
 
 
 def transformers_serve(dtype: str) -> Server:
+    """`dtype` auto: the faster of bfloat16 and float32 on this CPU (servers.transformers_serve_dtype)."""
+    is_auto, dtype = dtype == "auto", transformers_serve_dtype() if dtype == "auto" else dtype
     path = model_folder()
     command = [str(peers.venv_dir("transformers-serve") / "bin" / "transformers"), "serve", "--continuous-batching",
                "--host", "127.0.0.1", "--port", str(port := free_port()), "--dtype", dtype, "--device", "cpu",
@@ -81,7 +84,8 @@ def transformers_serve(dtype: str) -> Server:
     # per-request generation config: an EOS id outside the vocabulary forces max_tokens tokens.
     force = {"generation_config": json.dumps({"do_sample": False, "eos_token_id": 10**6}), "stream_options": None}
     return ProcessServer("transformers-serve", command, port, path, force, forces_length=True,
-                         note=f"transformers {peers.installed_version('transformers-serve')}, {dtype}")
+                         note=f"transformers {peers.installed_version('transformers-serve')}, {dtype}"
+                              + (" (auto: the faster dtype on this CPU)" if is_auto else ""))
 
 
 def llama_cpp_server() -> Server:
@@ -94,8 +98,17 @@ def llama_cpp_server() -> Server:
                               "one request at a time")
 
 
+def openvino_server(name: str, max_num_seqs: int) -> Server:
+    variant = openvino_peer.VARIANTS[name.removeprefix("openvino-")]
+    server = Server(name, note=f"OpenVINO GenAI {peers.installed_version('openvino').split()[0]}, {variant.description}, "
+                                f"in-process ContinuousBatchingPipeline, max_num_seqs {max_num_seqs}")
+    server.info = {"variant": variant.name, "max_num_seqs": max_num_seqs}
+    return server
+
+
 def make_servers(names: list[str], dtype: str, install: bool, bf16_max_concurrency: int = 8,
-                 hf_max_concurrency: int | None = None) -> list[Server]:
+                 hf_max_concurrency: int | None = None, transformers_dtype: str = "auto",
+                 openvino_max_num_seqs: int = 256) -> list[Server]:
     servers: list[Server] = []
     for name in names:
         if name == "spindle":
@@ -111,13 +124,17 @@ def make_servers(names: list[str], dtype: str, install: bool, bf16_max_concurren
                                    note=f"bfloat16 weights and KV cache ({matmuls}); c<={bf16_max_concurrency} only")
             server.max_concurrency = bf16_max_concurrency
             servers.append(server)
-        elif name in ("transformers-serve", "llama-cpp"):
-            why = peers.install(name, log=log) if install else (
-                "" if peers.is_installed(name) else "not installed (python -m benchmarks.peers install " + name + ")")
+        elif name in ("transformers-serve", "llama-cpp", "openvino-bf16", "openvino-int8"):
+            peer = "openvino" if name.startswith("openvino-") else name
+            why = peers.install(peer, log=log) if install else (
+                "" if peers.is_installed(peer) else "not installed (python -m benchmarks.peers install " + peer + ")")
             if why:
                 servers.append(Server(name, skip_reason=why))
+            elif peer == "openvino":
+                servers.append(openvino_server(name, openvino_max_num_seqs))
             else:
-                servers.append(transformers_serve(dtype) if name == "transformers-serve" else llama_cpp_server())
+                servers.append(transformers_serve(transformers_dtype) if name == "transformers-serve"
+                               else llama_cpp_server())
         elif name == "hf-generate":
             limit = f"; c<={hf_max_concurrency} only" if hf_max_concurrency else ""
             servers.append(Server("hf-generate", note=f"static batches (batch = c), {dtype}{limit}",
@@ -234,6 +251,52 @@ def run_hf_generate(server: Server, requests, plan: list[dict], repeats: int, ti
     return out
 
 
+def run_openvino(server: Server, requests, tokenizer, plan: list[dict], repeats: int, time_limit_s: float,
+                 single_stream_tokens: int) -> dict:
+    """The OpenVINO GenAI driver in the peer's venv: closed loop at each concurrency level, no rates."""
+    out = {"name": server.name, "note": server.note, "skip_reason": server.skip_reason, "scenarios": [],
+           "latencies": {}, "info": server.info}
+    if server.skip_reason:
+        log(f"{server.name}: skipped: {server.skip_reason}")
+        return out
+    RESULTS_DIR.mkdir(exist_ok=True)
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    workload_path, out_path = RESULTS_DIR / "openvino_workload.json", RESULTS_DIR / f"{server.name}_raw.json"
+    workload_path.write_text(json.dumps(openvino_peer.driver_workload(requests, tokenizer, single_stream_tokens)))
+    out_path.unlink(missing_ok=True)
+    levels = openvino_peer.level_spec(plan, repeats)
+    command = [str(peers.venv_python("openvino")), "-m", "benchmarks.openvino_peer", "--model-dir", model_folder(),
+               "--variant", server.info["variant"], "--ir-root", str(peers.venv_dir("openvino") / "ir"),
+               "--workload", str(workload_path), "--levels", levels, "--time-limit-s", str(time_limit_s),
+               "--max-num-seqs", str(server.info["max_num_seqs"]), "--out", str(out_path)]
+    log(f"{server.name}: {' '.join(command[3:])}")
+    log_path = LOG_DIR / f"{server.name}.log"
+    with open(log_path, "ab") as driver_log:  # export (once), compile, then every level of every repeat
+        try:
+            returncode = subprocess.run(command, cwd=ROOT, stdout=driver_log, stderr=subprocess.STDOUT,
+                                        timeout=1800 + time_limit_s * (levels.count(",") + 3)).returncode
+        except subprocess.TimeoutExpired:
+            returncode = -1
+    if returncode != 0:
+        tail = " / ".join(log_path.read_text(errors="replace").strip().splitlines()[-3:])
+        out["skip_reason"] = f"driver failed ({returncode}): {tail[-300:]} (log: {log_path})"
+        log(f"{server.name}: {out['skip_reason']}")
+        return out
+    raw = json.loads(out_path.read_text())
+    for runs in openvino_peer.group_levels(raw, plan, repeats):
+        summary = median_of_repeats(runs)
+        out["scenarios"].append(summary)
+        out["latencies"][report.scenario_label(summary)] = latency_lists(runs[-1])
+        log(f"{server.name} {report.scenario_label(summary)}: {summary['output_throughput']:.1f} out tok/s, "
+            f"peak {summary['scheduler']['max_num_scheduled']} scheduled, {summary['num_complete']}/"
+            f"{summary['num_planned']} complete")
+    out["single_stream"] = raw.get("single_stream")
+    out["note"] += f", {raw['kv_cache_precision']} KV cache (the CPU plugin's default)"
+    out["info"] |= {k: raw.get(k) for k in ("openvino", "openvino_genai", "settings", "kv_cache_precision",
+                                             "export_s", "compile_s", "max_num_seqs_probe")} | {"log": str(log_path)}
+    return out
+
+
 def model_step_256(dtype: str) -> dict | None:
     """The real model's decode step at 256 requests (1-token prompts: contexts of a few tokens, so
     a lower bound on the step, which makes the overhead share an upper bound)."""
@@ -271,9 +334,15 @@ def scenario_requests(requests, item: dict, repeat: int):
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="c=1 and 8, few requests, one repeat, installed peers only")
-    parser.add_argument("--servers", default="spindle,transformers-serve,llama-cpp,hf-generate",
-                        help="comma list of spindle, spindle-bf16, spindle-fake, transformers-serve, llama-cpp, hf-generate")
-    parser.add_argument("--dtype", default="float32", help="dtype for Spindle and the HF-format peers")
+    parser.add_argument("--servers", default="spindle,transformers-serve,llama-cpp,hf-generate,openvino-bf16,openvino-int8",
+                        help="comma list of spindle, spindle-bf16, spindle-fake, transformers-serve, llama-cpp, "
+                             "hf-generate, openvino-bf16, openvino-int8")
+    parser.add_argument("--dtype", default="float32", help="dtype for Spindle and HF generate")
+    parser.add_argument("--transformers-dtype", default="auto",
+                        help="dtype for transformers serve; auto: the faster one measured here (see servers.py)")
+    parser.add_argument("--openvino-max-num-seqs", type=int, default=256, help="the OpenVINO scheduler's max_num_seqs")
+    parser.add_argument("--single-stream-tokens", type=int, default=256,
+                        help="greedy tokens of the OpenVINO peers' single-stream row (0 to skip)")
     parser.add_argument("--bf16-max-concurrency", type=int, default=64, help="levels spindle-bf16 runs (no rates)")
     parser.add_argument("--hf-max-concurrency", type=int,
                         help="largest static batch for hf-generate (its prefill cannot be cut by the time limit)")
@@ -297,7 +366,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         quick = {"concurrency": "1,8", "num_requests": "4,8", "rates": "4", "rate_requests": 8, "repeats": 1,
-                 "time_limit_s": 30.0, "overhead_levels": "1,64", "prefix_requests": 2, "model_step": False}
+                 "time_limit_s": 30.0, "overhead_levels": "1,64", "prefix_requests": 2, "model_step": False,
+                 "single_stream_tokens": 64}
         for key, value in quick.items():
             if getattr(args, key) == parser.get_default(key):
                 setattr(args, key, value)
@@ -345,10 +415,13 @@ def main(argv: list[str] | None = None) -> dict:
               "plan": plan, "servers": [], "spindle_reference": "spindle"}
     names = [n for n in args.servers.split(",") if n]
     for server in make_servers(names, args.dtype, args.install_peers, args.bf16_max_concurrency,
-                               args.hf_max_concurrency):
+                               args.hf_max_concurrency, args.transformers_dtype, args.openvino_max_num_seqs):
         if server.name == "hf-generate":
             result["servers"].append(run_hf_generate(server, requests, plan, args.repeats, args.time_limit_s,
                                                      args.dtype))
+        elif server.name.startswith("openvino-"):
+            result["servers"].append(run_openvino(server, requests, tokenizer, plan, args.repeats, args.time_limit_s,
+                                                  args.single_stream_tokens))
         else:
             result["servers"].append(run_server(server, requests, tokenizer, plan, args.repeats, args.time_limit_s))
     if args.overhead_levels:

@@ -17,6 +17,8 @@ from pathlib import Path
 from benchmarks.loadgen import Target
 from tests.e2e.cluster import SpindleCluster, free_port
 
+# transformers serve's faster dtype on a CPU with bfloat16 arithmetic (docs/benchmarks.md, "The peers").
+TRANSFORMERS_SERVE_DTYPE_BF16_CPU = "bfloat16"
 RESULTS_DIR = Path(__file__).parent / "results"
 LOG_DIR = RESULTS_DIR / "logs"
 SMOLLM2_EOS_ID = 2  # <|im_end|>
@@ -40,10 +42,19 @@ class Server:
         pass
 
 
+def transformers_serve_dtype() -> str:
+    """The dtype transformers serve runs fastest in here: bfloat16 where the CPU multiplies in it
+    (measured on an AVX512_BF16 machine), else float32 (bfloat16 matmuls are emulated there)."""
+    from services.worker.config import cpu_has_native_bf16
+
+    return TRANSFORMERS_SERVE_DTYPE_BF16_CPU if cpu_has_native_bf16() else "float32"
+
+
 class SpindleServer(Server):
-    def __init__(self, name: str, env: dict[str, str] | None = None, note: str = ""):
+    def __init__(self, name: str, env: dict[str, str] | None = None, note: str = "", tensor_parallel_size: int = 1):
         super().__init__(name, note=note, forces_length=True)
         self.env = env or {}
+        self.tensor_parallel_size = tensor_parallel_size  # worker ranks (processes) splitting the model
         self.cluster: SpindleCluster | None = None
 
     def start(self, timeout_s: float = 600) -> Target:
@@ -55,7 +66,8 @@ class SpindleServer(Server):
         env = {"SPINDLE_LOG_LEVEL": "WARNING", "SPINDLE_NUM_THREADS": threads, **self.env}
         # A benchmark of the PyTorch fallback would pass for one of the compiled kernels: refuse it.
         backend = "none" if env.get("SPINDLE_FAKE_MODEL") == "true" else "cpu"
-        self.cluster = SpindleCluster(log_dir, env=env, attention_backend=backend).start(timeout_s)
+        self.cluster = SpindleCluster(log_dir, env=env, attention_backend=backend,
+                                      tensor_parallel_size=self.tensor_parallel_size).start(timeout_s)
         with urllib.request.urlopen(self.cluster.base_url + "/v1/models", timeout=10) as resp:
             import json
 
@@ -127,4 +139,5 @@ class ProcessServer(Server):
             self.proc.wait()
 
 
-__all__ = ["Server", "SpindleServer", "ProcessServer", "free_port", "SMOLLM2_EOS_ID", "RESULTS_DIR", "LOG_DIR"]
+__all__ = ["Server", "SpindleServer", "ProcessServer", "free_port", "transformers_serve_dtype", "SMOLLM2_EOS_ID",
+           "RESULTS_DIR", "LOG_DIR"]
