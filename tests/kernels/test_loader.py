@@ -18,9 +18,13 @@ def test_importing_the_gpu_path_does_not_import_cupy():
 
 def test_sources_are_package_data_and_include_no_toolkit_header():
     assert (kernels_dir() / "common.cuh").is_file()
+    local_headers = {f'#include "{p.name}"' for p in kernels_dir().glob("*.cuh")}
+    assert '#include "wmma.cuh"' in local_headers
     for module in MODULES:
         source = read_source(module)
         includes = [line for line in source.splitlines() if line.startswith("#include")]
-        assert includes == ['#include "common.cuh"'], (module, includes)
+        assert includes[0] == '#include "common.cuh"' and set(includes) <= local_headers, (module, includes)
+    for header in kernels_dir().glob("*.cuh"):  # the headers themselves include nothing
+        assert "#include" not in header.read_text(), header.name
         for expr in MODULES[module].name_expressions:
             assert expr.split("<")[0].removeprefix("spindle::") in source

@@ -1,13 +1,16 @@
 """Every kernel instance compiles through NVRTC for sm_80 and sm_90 with no register spills; the
-resource table is printed (pytest -s) and written to build/kernels/nvrtc-resources.txt."""
+resource table is printed (pytest -s) and written to build/kernels/nvrtc-resources.txt. The
+prefill kernel's PTX shows its products on tensor cores."""
 from __future__ import annotations
 
+import ctypes
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from services.worker.kernels.loader import MODULES, read_source
+from services.worker.kernels import nvrtc
+from services.worker.kernels.loader import MODULES, NVRTC_OPTIONS, kernels_dir, read_source
 from services.worker.kernels.nvrtc import format_table, module_resources
 
 ARCHS = ("sm_80", "sm_90")
@@ -63,3 +66,38 @@ def test_the_bitmask_kernel_needs_no_shared_memory_or_stack(resources):
     rows = [r for r in resources if r.module == "bitmask"]
     assert {r.arch for r in rows} == set(ARCHS)
     assert all(r.shared_bytes == 0 and r.stack_bytes == 0 for r in rows), rows
+
+
+def ptx(source: str, name_expression: str, arch: str) -> str:
+    """The PTX NVRTC emits for one instance (`compute_*` target: PTX, no cubin)."""
+    lib = nvrtc._nvrtc()
+    prog = ctypes.c_void_p()
+    nvrtc._check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"kernel.cu", 0, None, None),
+                 "create")
+    try:
+        nvrtc._check(lib, lib.nvrtcAddNameExpression(prog, name_expression.encode()), name_expression)
+        options = [*NVRTC_OPTIONS, f"-I{kernels_dir()}", f"-arch={arch.replace('sm_', 'compute_')}"]
+        argv = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
+        nvrtc._check(lib, lib.nvrtcCompileProgram(prog, len(options), argv), "compile")
+        size = ctypes.c_size_t()
+        nvrtc._check(lib, lib.nvrtcGetPTXSize(prog, ctypes.byref(size)), "PTX size")
+        text = ctypes.create_string_buffer(size.value)
+        nvrtc._check(lib, lib.nvrtcGetPTX(prog, text), "PTX")
+        return text.value.decode()
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+# PTX type suffix of an m16n16k16 mma with float accumulators, per input type.
+MMA_TYPES = {"spindle::bf16": "f32.bf16.bf16.f32", "spindle::f16": "f32.f32"}
+
+
+@pytest.mark.parametrize("type_name", MMA_TYPES)
+def test_prefill_attention_multiplies_on_tensor_cores(nvrtc, type_name):
+    """Q K^T with K^T column-major (row.col) and P V with V row-major (row.row) are wmma.mma.sync
+    on the input type with float accumulators, and those are its only mma shapes."""
+    text = ptx(read_source("prefill_attention"), f"spindle::prefill_attention<{type_name}, 128>", "sm_80")
+    mmas = {line.split()[0] for line in text.splitlines() if "wmma.mma.sync" in line}
+    assert mmas == {f"wmma.mma.sync.aligned.{layouts}.m16n16k16.{MMA_TYPES[type_name]}"
+                    for layouts in ("row.col", "row.row")}, mmas
+    assert "wmma.load.a.sync" in text and "wmma.load.b.sync" in text and "wmma.store.d.sync" in text

@@ -16,7 +16,8 @@ from tests.kernels.cuda_shim.build import REPO_ROOT, TSAN_FLAGS, ShimSpec, build
 pytestmark = pytest.mark.slow
 INSTANCES = ("spindle::reshape_and_cache<float>", "spindle::reshape_and_cache<spindle::bf16>",
              "spindle::paged_attention<float, 64, 4>", "spindle::paged_attention<float, 64, 8>",
-             "spindle::paged_attention_combine<float, 64>", "spindle::sample_rows<128>")
+             "spindle::paged_attention_combine<float, 64>", "spindle::prefill_attention<spindle::f16, 64>",
+             "spindle::sample_rows<128>")
 
 
 def libtsan() -> str:

@@ -1,7 +1,7 @@
 """Runs small kernel cases in the shim's threads mode; the slow test runs this file in a Python
 whose libtsan is preloaded, so ThreadSanitizer watches every CUDA thread's memory accesses.
 
-usage: python -m tests.kernels.tsan_run LIBRARY [attention|sampling|cache ...]
+usage: python -m tests.kernels.tsan_run LIBRARY [attention|prefill|sampling|cache ...]
 Exits 1 if a result is wrong; ThreadSanitizer's own reports go to stderr.
 """
 from __future__ import annotations
@@ -28,6 +28,15 @@ def check_attention(shim) -> bool:
     return ok
 
 
+def check_prefill(shim) -> bool:
+    from tests.kernels.test_prefill_attention_kernels import run_prefill
+
+    batch = make_batch(6, 2, 64, torch.float16, block_size=32, seed=2, requests=((0, 20), (45, 21)))
+    error = float((run_prefill(shim, batch).double() - reference_attention(batch, 0.125)).abs().max())
+    print(f"prefill: max error {error:.2e}")
+    return error < 1.5e-3
+
+
 def check_sampling(shim) -> bool:
     from tests.kernels.test_sampling_kernels import draw
 
@@ -48,7 +57,7 @@ def check_cache(shim) -> bool:
     return ok
 
 
-CHECKS = {"attention": check_attention, "sampling": check_sampling, "cache": check_cache}
+CHECKS = {"attention": check_attention, "prefill": check_prefill, "sampling": check_sampling, "cache": check_cache}
 
 
 def main(argv: list[str]) -> int:

@@ -4,7 +4,8 @@
 // (no cuda_fp16.h / cuda_bf16.h on the include path), and g++ compiles the very same text on a CPU
 // through the test shim (tests/kernels/cuda_shim/shim.h). So 16-bit floats are plain uint16
 // storage with conversions written as bit manipulation, and only intrinsics the shim also
-// provides are used (no inline PTX, no tensor cores, no async copies).
+// provides are used (no inline PTX, no async copies; tensor cores only through nvcuda::wmma,
+// which wmma.cuh defines for NVRTC and the shim emulates).
 #pragma once
 
 namespace spindle {

@@ -19,6 +19,7 @@ from services.worker.kernels.launch import CUDA_TYPE_NAMES, KernelLaunch
 
 _TYPES = tuple(CUDA_TYPE_NAMES.values())
 HEAD_DIMS = (64, 128)
+PREFILL_DTYPES = (torch.bfloat16, torch.float16)
 GROUP_TILES = (1, 2, 4, 8)  # query heads per CTA; larger GQA groups are split into tiles of 8
 # Threads per row of the sampler: 128 for small vocabularies (tests, tiny models), 512 otherwise.
 SAMPLER_THREADS = (128, 512)
@@ -44,6 +45,11 @@ MODULES: dict[str, KernelModule] = {
             f"spindle::paged_attention<{t}, {d}, {g}>" for t in _TYPES for d in HEAD_DIMS for g in GROUP_TILES
         )
         + tuple(f"spindle::paged_attention_combine<{t}, {d}>" for t in _TYPES for d in HEAD_DIMS),
+    ),
+    # Tensor cores take 16-bit inputs only: float32 attention stays on paged_attention.
+    "prefill_attention": KernelModule(
+        "prefill_attention.cu",
+        tuple(f"spindle::prefill_attention<{CUDA_TYPE_NAMES[t]}, {d}>" for t in PREFILL_DTYPES for d in HEAD_DIMS),
     ),
     "sampling": KernelModule(
         "sampling.cu",

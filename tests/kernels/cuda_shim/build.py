@@ -2,8 +2,8 @@
 
 `build_shim()` compiles the unmodified .cu sources with g++ after shim.h, plus a generated table
 mapping each NVRTC name expression to its template instance, into a shared library cached under
-build/cuda_shim/<hash> (the hash covers sources, instances and flags, so edits rebuild and
-nothing else does). `ShimLauncher` runs a `KernelLaunch` on CPU tensors: each tensor is copied
+build/cuda_shim/<hash> (the hash covers the sources, every shim file, every kernel header, the
+instances, the compiler and the flags, so edits rebuild and nothing else does). `ShimLauncher` runs a `KernelLaunch` on CPU tensors: each tensor is copied
 into a buffer with poisoned guard zones (0xFF bytes: NaN as a float, -1 as an int) and the zones
 are checked after the launch, so an out-of-bounds read poisons the output and an out-of-bounds
 write is reported.
@@ -11,6 +11,7 @@ write is reported.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
@@ -43,7 +44,7 @@ def gxx() -> str | None:
 class ShimSpec:
     """What goes into one shim library: sources (module -> text) and the instances to export."""
 
-    sources: dict[str, str]
+    sources: dict[str, str]  # key: a module of MODULES, or the file name of a test-only kernel
     name_expressions: tuple[str, ...]
     flags: tuple[str, ...] = FAST_FLAGS
 
@@ -56,9 +57,13 @@ class ShimSpec:
         )
 
 
+def _filename(source: str) -> str:
+    return MODULES[source].filename if source in MODULES else source
+
+
 def _launcher_source(spec: ShimSpec, source_dir: Path) -> str:
     lines = ['#include "shim.h"']
-    lines += [f'#include "{source_dir / MODULES[m].filename}"' for m in spec.sources]
+    lines += [f'#include "{source_dir / _filename(m)}"' for m in spec.sources]
     lines.append("namespace spindle_shim {")
     lines.append("extern const KernelEntry kKernels[] = {")
     lines += [f'    make_entry("{e}", &{e}),' for e in spec.name_expressions]
@@ -73,14 +78,15 @@ def build_shim(spec: ShimSpec) -> Path:
     compiler = gxx()
     if compiler is None:
         raise FileNotFoundError("g++ not found: the CPU kernel shim needs a C++17 compiler")
+    headers = sorted(kernels_dir().glob("*.cuh"))
+    shim_files = sorted(p for p in SHIM_DIR.iterdir() if p.suffix in (".h", ".cpp"))
     digest = hashlib.sha256()
     for part in (
-        (SHIM_DIR / "shim.h").read_text(),
-        (SHIM_DIR / "runtime.cpp").read_text(),
-        (kernels_dir() / "common.cuh").read_text(),
+        *(f"{p.name}\n{p.read_text()}" for p in (*shim_files, *headers)),
         repr(sorted(spec.sources.items())),
         repr(spec.name_expressions),
         repr(spec.flags),
+        _compiler_version(compiler),
     ):
         digest.update(part.encode())
     out_dir = BUILD_ROOT / digest.hexdigest()[:16]
@@ -90,9 +96,10 @@ def build_shim(spec: ShimSpec) -> Path:
     work = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    shutil.copy(kernels_dir() / "common.cuh", work / "common.cuh")
+    for header in headers:  # the sources include them from their own folder
+        shutil.copy(header, work / header.name)
     for module, text in spec.sources.items():
-        (work / MODULES[module].filename).write_text(text)
+        (work / _filename(module)).write_text(text)
     (work / "launcher.cpp").write_text(_launcher_source(spec, work))
     cmd = [
         compiler, "-std=c++17", *spec.flags, "-fPIC", "-shared", "-fno-strict-aliasing", "-ftls-model=initial-exec",
@@ -105,8 +112,18 @@ def build_shim(spec: ShimSpec) -> Path:
     try:
         work.rename(out_dir)  # atomic: a concurrent build of the same hash just loses the race
     except OSError:
+        if not library.exists():  # not a finished rival but a folder left half-written: replace it
+            shutil.rmtree(out_dir, ignore_errors=True)
+            work.rename(out_dir)
         shutil.rmtree(work, ignore_errors=True)
     return library
+
+
+@functools.cache
+def _compiler_version(compiler: str) -> str:
+    """The compiler's own description, so a changed compiler (CXX, an upgrade) rebuilds."""
+    result = subprocess.run([compiler, "--version"], capture_output=True, text=True)
+    return f"{compiler}\n{result.stdout}"
 
 
 class ShimError(RuntimeError):

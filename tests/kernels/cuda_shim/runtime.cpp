@@ -93,6 +93,7 @@ struct Launch {
   void** args;
   int num_threads;
   std::vector<unsigned long long> slots;  // [num_warps * 32] shuffle slots
+  std::vector<float> wmma_scratch;        // [num_warps * kWmmaScratch] mma_sync operands
   // fibers
   std::vector<Fiber> fibers;
   Context scheduler;
@@ -106,6 +107,7 @@ thread_local int tl_linear = 0;  // linear thread index in the block
 thread_local Fiber* tl_fiber = nullptr;
 std::mutex g_mutex;             // one launch at a time: blocks share static __shared__ storage
 constexpr size_t kStackBytes = 256 * 1024;
+constexpr size_t kWmmaScratch = 3 * 256;  // A, B and C of one 16x16x16 mma, as floats
 char* g_stacks = nullptr;       // reused across launches, grown on demand
 int g_num_stacks = 0;
 
@@ -134,64 +136,78 @@ unsigned long long next_random(unsigned long long& state) {  // xorshift64*
   return state * 2685821657736338717ull;
 }
 
-// Runs one block; returns an empty string or what went wrong.
+// Runs one block; returns an empty string or what went wrong. Runnable fibers wait in a queue
+// (in order, or picked at random in shuffled mode); a fiber runs until it blocks. The last lane of
+// a warp to reach a warp barrier releases the warp's lanes at once: into the queue in order mode;
+// in shuffled mode ahead of every other thread (in a random order among themselves), so the
+// released warp runs on until it waits at __syncthreads or finishes while the other warps stay
+// where they are. Warps thus drift as far apart as the block barriers allow, and a __syncthreads
+// missing between one warp's writes and another's reads is seen every time, not by chance. The
+// block barrier opens once every thread waits there.
 std::string run_block_fibers(Launch& L, unsigned long long& rng) {
-  const int n = L.num_threads;
+  const int n = L.num_threads, num_warps = (n + 31) / 32;
+  const bool shuffled = L.mode == kFibersShuffled;
+  std::vector<int> ready, ahead, live(num_warps, 0), at_warp(num_warps, 0);
   for (int i = 0; i < n; ++i) {
     Fiber& f = L.fibers[i];
     make_context(f.ctx, g_stacks + (size_t)i * kStackBytes, kStackBytes, fiber_entry);
     f.state = kRunnable;
+    ready.push_back(i);
+    ++live[i / 32];
   }
-  std::vector<int> order(n);
-  for (int i = 0; i < n; ++i) order[i] = i;
+  auto release_warp_if_complete = [&](int w) {
+    if (live[w] == 0 || at_warp[w] != live[w]) return;
+    for (int i = w * 32; i < n && i < (w + 1) * 32; ++i)
+      if (L.fibers[i].state == kAtWarpBarrier) {
+        L.fibers[i].state = kRunnable;
+        (shuffled ? ahead : ready).push_back(i);
+      }
+    at_warp[w] = 0;
+  };
   for (;;) {
-    if (L.mode == kFibersShuffled) {
-      for (int i = n - 1; i > 0; --i) std::swap(order[i], order[next_random(rng) % (i + 1)]);
-    }
-    for (int i : order) {
+    size_t head = 0;
+    while (!ahead.empty() || head < ready.size()) {
+      int i;
+      if (!ahead.empty()) {
+        std::swap(ahead[next_random(rng) % ahead.size()], ahead.back());
+        i = ahead.back();
+        ahead.pop_back();
+      } else {
+        if (shuffled) std::swap(ready[head], ready[head + next_random(rng) % (ready.size() - head)]);
+        i = ready[head++];
+      }
       Fiber& f = L.fibers[i];
-      if (f.state != kRunnable) continue;
       tl_fiber = &f;
       tl_linear = i;
       tl_thread_idx = unflatten(i, g_block_dim);
       switch_to(L.scheduler, f.ctx);
+      if (f.state == kAtWarpBarrier) ++at_warp[i / 32];
+      else if (f.state == kDone) --live[i / 32];
+      release_warp_if_complete(i / 32);
     }
-    // Everyone is blocked or done: release whole warps at a shuffle first, then the block.
-    bool released = false;
-    for (int w = 0; w * 32 < n; ++w) {
-      bool any_live = false, all_at_warp = true;
-      for (int i = w * 32; i < n && i < (w + 1) * 32; ++i) {
-        if (L.fibers[i].state == kDone) continue;
-        any_live = true;
-        all_at_warp &= L.fibers[i].state == kAtWarpBarrier;
-      }
-      if (any_live && all_at_warp) {
-        for (int i = w * 32; i < n && i < (w + 1) * 32; ++i)
-          if (L.fibers[i].state == kAtWarpBarrier) L.fibers[i].state = kRunnable;
-        released = true;
-      }
-    }
-    if (released) continue;
-    int live = 0, at_block = 0, at_warp = 0;
+    ready.clear();
+    int num_live = 0, at_block = 0, num_at_warp = 0;
     for (int i = 0; i < n; ++i) {
-      live += L.fibers[i].state != kDone;
+      num_live += L.fibers[i].state != kDone;
       at_block += L.fibers[i].state == kAtBlockBarrier;
-      at_warp += L.fibers[i].state == kAtWarpBarrier;
+      num_at_warp += L.fibers[i].state == kAtWarpBarrier;
     }
-    if (live == 0) return "";
+    if (num_live == 0) return "";
     // As on the GPU, a barrier counts arrivals, not call sites (optimised code may duplicate a
     // __syncthreads). A thread that finished while others wait is divergence: none of our
     // kernels lets part of a block leave early and then synchronise the rest.
-    if (at_block == live && live == n) {
-      for (int i = 0; i < n; ++i)
-        if (L.fibers[i].state == kAtBlockBarrier) L.fibers[i].state = kRunnable;
+    if (at_block == num_live && num_live == n) {
+      for (int i = 0; i < n; ++i) {
+        L.fibers[i].state = kRunnable;
+        ready.push_back(i);
+      }
       continue;
     }
     char msg[200];
     std::snprintf(msg, sizeof msg,
                   "barrier divergence in block (%u,%u,%u): %d threads at __syncthreads, %d at a warp "
-                  "shuffle, %d finished",
-                  tl_block_idx.x, tl_block_idx.y, tl_block_idx.z, at_block, at_warp, n - live);
+                  "barrier, %d finished",
+                  tl_block_idx.x, tl_block_idx.y, tl_block_idx.z, at_block, num_at_warp, n - num_live);
     return msg;
   }
 }
@@ -220,6 +236,8 @@ void warp_barrier() {
 int current_lane() { return tl_linear & 31; }
 
 void* warp_slot(int lane) { return &g_launch->slots[(tl_linear / 32) * 32 + lane]; }
+
+float* warp_wmma_scratch() { return &g_launch->wmma_scratch[(tl_linear / 32) * kWmmaScratch]; }
 }  // namespace spindle_shim
 
 using namespace spindle_shim;
@@ -246,6 +264,7 @@ extern "C" int shim_launch(const char* name, unsigned gx, unsigned gy, unsigned 
   g_block_dim = dim3{bx, by, bz};
   const int num_warps = (L.num_threads + 31) / 32;
   L.slots.assign((size_t)num_warps * 32, 0);
+  L.wmma_scratch.assign((size_t)num_warps * kWmmaScratch, 0.0f);
   const int num_blocks = (int)(gx * gy * gz);
   g_launch = &L;
   std::string failure;

@@ -6,12 +6,21 @@
 // - __syncthreads is a block barrier; a warp shuffle writes the lane's value to its warp's slot
 //   array, waits at a warp barrier, reads the partner's slot and waits again (so no slot is
 //   overwritten before every lane has read it).
-// - Fiber mode detects barrier divergence (some threads at __syncthreads, others at a shuffle or
-//   finished) and reports it instead of hanging; fibers may run in a shuffled order each round so
-//   a missing barrier shows up as a read of stale shared memory.
-// Not emulated: inline PTX, tensor cores, async copies, dynamic shared memory, the memory model's
-// weaker orderings (fibers are sequentially consistent).
+// - Fiber mode detects barrier divergence (some threads at __syncthreads, others at a warp
+//   barrier or finished) and reports it instead of hanging; in shuffled mode fibers run in a
+//   random order, so a missing barrier shows up as a read of stale shared memory, and a warp
+//   released from a warp barrier runs ahead of the others until it waits at __syncthreads (see
+//   runtime.cpp), so a missing __syncthreads between two warps' phases shows up even when the
+//   phases are made of warp-level operations.
+// - Tensor cores through nvcuda::wmma (m16n16k16, half/bf16 in, float accumulator) are emulated
+//   per warp in wmma.h, with the same warp-collective rules.
+// Not emulated: inline PTX, other tensor-core shapes and fragment types, async copies, dynamic
+// shared memory, the memory model's weaker orderings (fibers are sequentially consistent).
 #pragma once
+
+// Kernel headers test this to leave the device-only definitions (services/worker/kernels/wmma.cuh)
+// to the shim.
+#define SPINDLE_CUDA_SHIM 1
 
 #include <pthread.h>
 #include <ucontext.h>
@@ -53,8 +62,10 @@ int current_lane();
 #define __restrict__ __restrict
 #define __launch_bounds__(...)
 #define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
 
 inline void __syncthreads() { spindle_shim::block_barrier(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { spindle_shim::warp_barrier(); }
 
 inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
@@ -145,3 +156,5 @@ KernelEntry make_entry(const char* name, void (*f)(Args...)) {
   return KernelEntry{name, reinterpret_cast<void*>(f), &Invoker<Args...>::invoke};
 }
 }  // namespace spindle_shim
+
+#include "wmma.h"
