@@ -81,3 +81,9 @@ def parse_config(service: str, env: dict[str, str]) -> Any:
         from services.worker.config import config_from_args as worker_config_from_args
 
         return worker_config_from_args([])
+
+
+def worker_addresses(env: dict[str, str]) -> list[str]:
+    """The workers' addresses a scheduler with `env` dials, rank 0 first (one without tensor
+    parallelism), as its own config holds them."""
+    return list(parse_config("scheduler", env).worker_addrs)

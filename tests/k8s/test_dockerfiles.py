@@ -13,6 +13,7 @@ import pytest
 from tests.k8s.manifests import OVERLAYS, ROOT, container_ports, rendered
 
 DOCKERFILES = {"spindle": ROOT / "docker" / "Dockerfile", "spindle-cuda": ROOT / "docker" / "Dockerfile.cuda"}
+WORKER_GRPC_PORT = 50053
 COMPILERS = re.compile(r"\b(gcc|g\+\+|clang|build-essential|cmake|make|cuda-nvcc|[a-z0-9.+-]+-dev)\b")
 
 
@@ -87,5 +88,8 @@ def test_manifests_use_the_images_ports_and_user(overlay):
         assert image in DOCKERFILES, container["image"]
         path = DOCKERFILES[image]
         exposed = {int(p) for line in _stages(path)[-1] if line.startswith("EXPOSE ") for p in line.split()[1:]}
+        if container["command"][1] == "worker":  # tensor-parallel rank r of one pod: the gRPC port + r
+            rank = int(rendered(overlay).environment(container).get("SPINDLE_TENSOR_PARALLEL_RANK", "0"))
+            exposed.add(WORKER_GRPC_PORT + rank)
         assert set(container_ports(container).values()) <= exposed, f"{pod.owner}/{container['name']} vs {path.name}"
         assert str(pod.spec["securityContext"]["runAsUser"]) == _args(path)["SPINDLE_UID"]

@@ -44,8 +44,9 @@ def job(r: Rendered) -> dict:
 
 
 def worker_model(r: Rendered) -> str:
-    (engine,) = [p for p in r.pod_templates() if p.container("worker")]
-    return r.environment(engine.container("worker"))["SPINDLE_MODEL"]
+    """The one model folder every worker (every tensor-parallel rank) reads."""
+    (model,) = {r.environment(c)["SPINDLE_MODEL"] for _, c in r.spindle_containers() if c["command"][1] == "worker"}
+    return model
 
 
 def test_cpu_overlays_have_no_model_store():
@@ -161,7 +162,7 @@ def test_only_workers_and_the_job_mount_the_weights(overlay):
 def test_standalone_frontends_read_the_tokenizer_volume_at_the_model_path(overlay):
     r = rendered(overlay)
     frontends = [p for p in r.pod_templates() if p.container("frontend") and not p.container("worker")]
-    if overlay != "gpu":
+    if any(p.container("frontend") and p.container("worker") for p in r.pod_templates()):
         assert not frontends, "the inference pool serves from the engine pods' frontends"
         return
     (pod,) = frontends

@@ -72,7 +72,7 @@ def test_engines_and_frontends_spread_across_zones_then_nodes(overlay):
                 "app.kubernetes.io/name": "spindle",
                 "app.kubernetes.io/component": pod.labels["app.kubernetes.io/component"]}, pod.owner
             # Only this revision's pods count, or a rollout would skew against its own old pods.
-            assert constraint.get("matchLabelKeys") == ["pod-template-hash"], pod.owner
+            assert constraint.get("matchLabelKeys") == [pod.revision_label], pod.owner
         spread += 1
     assert spread >= 1
 
@@ -105,12 +105,18 @@ def test_termination_grace_covers_pre_stop_and_drain(overlay):
                 drain = float(r.environment(containers[name])["SPINDLE_SHUTDOWN_TIMEOUT"])
                 assert grace >= _sleep_s(containers[name]) + drain + CLOSE_MARGIN_S, (
                     f"{pod.owner}: {grace} s cannot hold {name}'s preStop + {drain} s of drain")
-        if "worker" in containers:
-            # The worker waits for the scheduler to drain and close, then stops.
-            command = _pre_stop(containers["worker"])
-            assert command[-2] == "127.0.0.1:50052", command
+        for worker in [c for c in pod.containers if c.get("command", [""])[:2] == ["spindle", "worker"]]:
+            # Every worker (every tensor-parallel rank) waits for its scheduler to drain and close,
+            # then stops: the scheduler beside it, or a LeaderWorkerSet worker's leader's.
+            command = _pre_stop(worker)
+            if "scheduler" in containers:
+                scheduler, expected = containers["scheduler"], "127.0.0.1:50052"
+            else:
+                assert pod.leader is not None, f"{pod.owner}: a worker with no scheduler"
+                scheduler, expected = pod.leader.container("scheduler"), "$LWS_LEADER_ADDRESS:50052"
+                assert "os.path.expandvars(sys.argv[1])" in command[2], "exec hooks expand no variables"
+            assert command[-2] == expected, command
             wait_s = float(command[-1])
-            scheduler = containers["scheduler"]
             drain = float(r.environment(scheduler)["SPINDLE_SHUTDOWN_TIMEOUT"])
             assert wait_s >= _sleep_s(scheduler) + drain, "the worker could stop while the scheduler drains"
             assert grace >= wait_s + CLOSE_MARGIN_S, f"{pod.owner}: {grace} s < worker wait {wait_s} s + close"
@@ -132,7 +138,8 @@ def test_only_the_worker_requests_a_gpu_and_only_in_gpu_overlays(overlay):
         for container in pod.containers:
             resources = container.get("resources", {})
             wants_gpu = GPU in resources.get("limits", {}) or GPU in resources.get("requests", {})
-            if container["name"] == "worker":
+            # Every worker service: one per engine, or one per tensor-parallel rank.
+            if container.get("command", [""])[:2] == ["spindle", "worker"]:
                 workers += 1
                 assert wants_gpu == is_gpu_overlay, f"{overlay}: worker GPU request is {wants_gpu}"
                 if is_gpu_overlay:
@@ -142,7 +149,8 @@ def test_only_the_worker_requests_a_gpu_and_only_in_gpu_overlays(overlay):
                     assert pod.spec.get("nodeSelector"), pod.owner
             else:
                 assert not wants_gpu, f"{pod.owner}/{container['name']} requests a GPU"
-    assert workers == 1, f"{overlay}: {workers} worker containers"
+    # One engine: its worker, or one per rank (test_tensor_parallel.py checks their number).
+    assert workers >= 1, f"{overlay}: {workers} worker containers"
 
 
 def test_workers_have_a_memory_backed_dev_shm(overlay):

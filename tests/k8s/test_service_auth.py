@@ -11,7 +11,7 @@ import ipaddress
 import pytest
 
 from tests.k8s.manifests import K8S, OVERLAYS, PodTemplate, Rendered, addr_port, exec_probe, probes, rendered
-from tests.k8s.service_flags import parse_config
+from tests.k8s.service_flags import parse_config, worker_addresses
 
 pytestmark = pytest.mark.parametrize("overlay", OVERLAYS)
 
@@ -85,7 +85,9 @@ def _covers(certificate: dict, host: str) -> bool:
         ipaddress.ip_address(host)
         return host in certificate["spec"].get("ipAddresses", [])
     except ValueError:
-        return host in certificate["spec"].get("dnsNames", [])
+        names = certificate["spec"].get("dnsNames", [])
+        # A wildcard stands for exactly one leftmost label (RFC 6125).
+        return host in names or ("." in host and f"*.{host.split('.', 1)[1]}" in names)
 
 
 def _hours(duration: str) -> int:
@@ -155,9 +157,10 @@ def test_each_service_has_its_own_certificate_with_the_identity_its_server_admit
             assert not _identity(certificates[secret]) & set(worker_config.allowed_client_names), (
                 f"{secret}: a frontend's certificate would open the worker")
         assert _identity(certificates[scheduler_secret]) & set(worker_config.allowed_client_names)
-        # Server certificates name the hosts they are dialled by.
-        worker_host, _ = addr_port(r.environment(scheduler)["SPINDLE_WORKER_ADDR"])
-        assert _covers(certificates[worker_secret], worker_host), worker_host
+        # Server certificates name the hosts they are dialled by (every tensor-parallel rank's).
+        for address in worker_addresses(r.environment(scheduler)):
+            worker_host, _ = addr_port(address)
+            assert _covers(certificates[worker_secret], worker_host), worker_host
         for pod, frontend, service in _spindle(r):
             if service == "frontend":
                 host, _ = addr_port(r.environment(frontend)["SPINDLE_SCHEDULER_ADDR"])

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.k8s.manifests import OVERLAYS, Rendered, addr_port, container_ports, rendered
-from tests.k8s.service_flags import ASSUMED_FLAGS, SERVICES, flag_defaults, parse_config
+from tests.k8s.manifests import (OVERLAYS, Rendered, addr_port, container_ports, exec_probe, lws_group, probes,
+                                 rendered)
+from tests.k8s.service_flags import ASSUMED_FLAGS, SERVICES, flag_defaults, parse_config, worker_addresses
 
 pytestmark = pytest.mark.parametrize("overlay", OVERLAYS)
 
@@ -63,19 +64,31 @@ def test_containers_configs_parse(overlay):
             pytest.fail(f"{pod.owner}/{container['name']}: the service rejects its environment: {exc!r}")
 
 
+def tensor_parallel_rank(r: Rendered, container) -> int:
+    """The worker's rank (0 without tensor parallelism): rank r of one pod listens on port + r."""
+    return parse_config("worker", r.environment(container)).tensor_parallel_rank
+
+
 def test_listen_addresses_are_declared_ports_and_flag_defaults(overlay):
     r = rendered(overlay)
     for pod, container in r.spindle_containers():
         service = service_of(container)
         env = r.environment(container)
         declared = set(container_ports(container).values())
+        # Tensor-parallel ranks in one pod listen on consecutive ports; in pods of their own, all
+        # on the default (the rank's own pod address tells them apart).
+        is_shared_pod = service == "worker" and len(_listener_containers(pod, service)) > 1
+        shift = tensor_parallel_rank(r, container) if is_shared_pod else 0
+        # Loopback only where nothing outside the container needs the port: every probe runs in it.
+        is_probed_inside = all(exec_probe(p) is not None for p in probes(container).values())
         for variable in LISTEN_FLAGS[service]:
             assert variable in env, f"{pod.owner}/{container['name']} does not set {variable}"
             port = listen_port(env, variable)
             assert port in declared, f"{pod.owner}/{container['name']} listens on {port}, declares {declared}"
-            assert port == default_port(service, variable), f"{variable}={env[variable]}: not the default port"
+            assert port == default_port(service, variable) + shift, f"{variable}={env[variable]}: not the default port"
             if variable.endswith("_ADDR"):
-                assert addr_port(env[variable])[0] == "0.0.0.0", f"{variable} must listen on all addresses"
+                hosts = {"0.0.0.0", "127.0.0.1"} if service == "worker" and is_probed_inside else {"0.0.0.0"}
+                assert addr_port(env[variable])[0] in hosts, f"{variable} must listen on all addresses"
         if service == "frontend":
             assert env["SPINDLE_HTTP_HOST"] == "0.0.0.0"
 
@@ -87,14 +100,31 @@ def test_metrics_ports_are_declared(overlay):
         env = r.environment(container)
         if service in ASSUMED_FLAGS:
             port = int(env["SPINDLE_METRICS_PORT"])
+            if service == "worker" and tensor_parallel_rank(r, container) > 0 and port == 0:
+                continue  # a rank other than 0 may leave metrics off: rank 0's step times are the group's
             assert port == ASSUMED_FLAGS[service]["SPINDLE_METRICS_PORT"]
             assert container_ports(container).get(f"{'sched' if service == 'scheduler' else service}-metrics") == port
 
 
+def _listener_containers(pod, service: str) -> list[dict]:
+    return [c for c in pod.containers if c.get("command", [""])[0] == "spindle" and service_of(c) == service]
+
+
 def _listeners(r: Rendered, pod, service: str) -> set[int]:
     """Ports that `service` containers of `pod` listen on."""
-    return {listen_port(r.environment(c), LISTEN_FLAGS[service][0])
-            for c in pod.containers if c.get("command", [""])[0] == "spindle" and service_of(c) == service}
+    return {listen_port(r.environment(c), LISTEN_FLAGS[service][0]) for c in _listener_containers(pod, service)}
+
+
+def _group_pod(r: Rendered, host: str):
+    """(leader, pod) of the LeaderWorkerSet group-0 pod whose stable name is `host`
+    (<pod>.<subdomain>.<namespace>); (None, None) when no pod has that name."""
+    for lws in r.of_kind("LeaderWorkerSet"):
+        group = lws_group(lws)
+        for member in group:
+            subdomain = member.injected_env["LWS_LEADER_ADDRESS"].split(".", 1)[1]
+            if host == f"{member.fields['metadata.name']}.{subdomain}":
+                return group[0], member
+    return None, None
 
 
 def _reaches(r: Rendered, pod, address: str, service: str) -> bool:
@@ -124,11 +154,17 @@ def test_dialled_addresses_reach_their_peers(overlay):
             assert _reaches(r, pod, env["SPINDLE_SCHEDULER_ADDR"], "scheduler"), (
                 f"{pod.owner}: SPINDLE_SCHEDULER_ADDR={env['SPINDLE_SCHEDULER_ADDR']} reaches no scheduler")
         if service == "scheduler":
-            # The worker belongs to this scheduler alone: it must be the one in the same pod.
-            host, _ = addr_port(env["SPINDLE_WORKER_ADDR"])
-            assert host == "127.0.0.1", env["SPINDLE_WORKER_ADDR"]
-            assert _reaches(r, pod, env["SPINDLE_WORKER_ADDR"], "worker"), (
-                f"{pod.owner}: SPINDLE_WORKER_ADDR={env['SPINDLE_WORKER_ADDR']} reaches no worker")
+            # The workers (one per tensor-parallel rank) belong to this scheduler alone: each is in
+            # the same pod, or in a pod of its LeaderWorkerSet group, dialled by the pod's own name.
+            for address in worker_addresses(env):
+                host, port = addr_port(address)
+                if host == "127.0.0.1":
+                    assert _reaches(r, pod, address, "worker"), f"{pod.owner}: {address} reaches no worker"
+                    continue
+                leader, target = _group_pod(r, host)
+                assert target is not None and leader.owner == pod.owner, (
+                    f"{pod.owner}: worker address {address} is neither in the pod nor a pod of its group")
+                assert port in _listeners(r, target, "worker"), f"{pod.owner}: {address} reaches no worker"
 
 
 def test_scheduler_and_worker_agree_on_batch_limits(overlay):

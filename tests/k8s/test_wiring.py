@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.k8s.manifests import OVERLAYS, container_ports, exec_probe, matches, probes, rendered
+from tests.k8s.manifests import LWS_NAME_LABEL, OVERLAYS, container_ports, exec_probe, matches, probes, rendered
 
 pytestmark = pytest.mark.parametrize("overlay", OVERLAYS)
 
@@ -86,10 +86,16 @@ def test_only_the_frontend_port_is_open_to_every_source(overlay):
 
 
 def test_the_worker_port_is_admitted_from_no_peer(overlay):
+    """Except, in a LeaderWorkerSet, from the pods of the set: a rule for every port (no `ports`)
+    opens 50053 too, so it may only admit those (test_leaderworkerset.py checks the group's rule)."""
     r = rendered(overlay)
     for policy in r.of_kind("NetworkPolicy"):
         for rule in policy["spec"].get("ingress", []):
-            assert 50053 not in {p["port"] for p in rule.get("ports", [])}, policy["metadata"]["name"]
+            ports = {p["port"] for p in rule.get("ports", [])}
+            assert 50053 not in ports, policy["metadata"]["name"]
+            if not ports:
+                assert all(set(peer) == {"podSelector"} and LWS_NAME_LABEL in peer["podSelector"].get("matchLabels", {})
+                           for peer in rule.get("from", [{}])), f"{policy['metadata']['name']} opens every port"
 
 
 def test_hpas_target_existing_deployments_that_leave_replicas_to_them(overlay):
