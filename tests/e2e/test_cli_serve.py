@@ -15,14 +15,13 @@ import time
 import urllib.request
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoModelForCausalLM
 
 from tests.e2e.cluster import ROOT, free_ports
 from tests.e2e.parity import assert_greedy_match, hf_greedy
+from tests.e2e.probes import grpc_serving, wait_until
 from tests.e2e.test_tiny_models import build_tiny_model
 
 MAX_TOKENS = 16
@@ -120,20 +119,6 @@ def session_pids(sid: int) -> set[int]:
     return pids
 
 
-def _grpc_serving(addr: str) -> bool:
-    with grpc.insecure_channel(addr) as channel:
-        resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
-    return resp.status == health_pb2.HealthCheckResponse.SERVING
-
-
-def _wait_until(condition, what: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} within {timeout_s:.0f} s")
-        time.sleep(0.1)
-
-
 def _post_json(url: str, body: dict) -> dict:
     request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=120) as resp:
@@ -164,7 +149,7 @@ def test_serve_answers_like_transformers_and_ctrl_c_stops_every_child(serve, mod
     children = serve.children()
     for name, addr in serve.addrs.items():
         # The frontend follows engine readiness on a short poll, so it may turn SERVING just after /health.
-        _wait_until(lambda: _grpc_serving(addr), f"{name} gRPC health on {addr} did not turn SERVING", timeout_s=30)
+        wait_until(lambda: grpc_serving(addr), f"{name} gRPC health on {addr} did not turn SERVING", timeout_s=30)
     with urllib.request.urlopen(serve.base_url + "/stats", timeout=10) as resp:
         stats = json.load(resp)
     assert (stats["dtype"], stats["attention_backend"]) == ("float32", "cpu"), stats

@@ -26,6 +26,7 @@ from services.common import codec
 from services.common.messages import EngineCoreOutput, FinishReason
 from services.common.pb import engine_core_pb2, engine_core_pb2_grpc
 from tests.e2e.cluster import SpindleCluster
+from tests.e2e.probes import health_status, wait_until
 from tests.e2e.test_tiny_models import build_tiny_model
 from tests.step_outputs import per_request
 
@@ -83,22 +84,6 @@ def _greedy_text(cluster, max_tokens: int) -> str:
     assert status == 200, body
     assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == max_tokens
     return body["choices"][0]["message"]["content"]
-
-
-def _health_status(cluster) -> int:
-    try:
-        with urllib.request.urlopen(cluster.base_url + "/health", timeout=10) as resp:
-            return resp.status
-    except urllib.error.HTTPError as err:
-        return err.code
-
-
-def _wait_until(condition, what: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} within {timeout_s:.0f} s")
-        time.sleep(0.05)
 
 
 class Stream:
@@ -281,7 +266,7 @@ def test_a_stopped_worker_is_detected_within_the_step_timeout_and_the_engine_rec
         assert victim.error["code"] == "service_unavailable", victim.error
         assert "did not answer step" in victim.error["message"], victim.error
         assert victim.error["message"].endswith(f"within {STEP_TIMEOUT_S} s"), victim.error
-        _wait_until(lambda: _health_status(cluster) == 503, "/health did not turn 503", DETECTION_BOUND_S)
+        wait_until(lambda: health_status(cluster) == 503, "/health did not turn 503", DETECTION_BOUND_S)
         status, refused = _post(cluster, _body(4))
         assert status == 503, refused
     finally:

@@ -14,15 +14,13 @@ import contextlib
 import json
 import signal
 import threading
-import time
 import urllib.error
 import urllib.request
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.e2e.cluster import SpindleCluster
+from tests.e2e.probes import grpc_serving, wait_until
 from tests.service_proxy import ServiceProxy
 
 FAKE_ENGINE_ENV = {"SPINDLE_FAKE_MODEL": "true", "SPINDLE_SHUTDOWN_TIMEOUT": "60", "SPINDLE_MAX_MODEL_LEN": "2048"}
@@ -43,20 +41,6 @@ def _http(cluster: SpindleCluster, path: str, body: dict | None = None, timeout_
 
 def _health(cluster: SpindleCluster) -> int:
     return _http(cluster, "/health", timeout_s=5)[0]
-
-
-def _grpc_serving(addr: str) -> bool:
-    with grpc.insecure_channel(addr) as channel:
-        response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
-    return response.status == health_pb2.HealthCheckResponse.SERVING
-
-
-def _wait_until(condition, what: str, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} within {timeout_s:.1f} s")
-        time.sleep(0.02)
 
 
 def _completion(prompt, max_tokens: int, stream: bool = False) -> dict:
@@ -119,7 +103,7 @@ def two_engines(tmp_path):
             cluster.start_service("scheduler")
         a.start_service("frontend")
         a.wait_healthy(120)
-        _wait_until(lambda: _grpc_serving(b.scheduler_addr), "engine b did not become ready", 120)
+        wait_until(lambda: grpc_serving(b.scheduler_addr), "engine b did not become ready", 120)
         yield a, b, proxy
     finally:
         proxy.close()
@@ -134,7 +118,7 @@ def test_a_draining_engine_hands_its_frontend_over_to_the_next_engine_without_er
     handed_over: dict = {}
     with _paused(a.procs["worker"]):  # the stream stays in flight on engine a
         a.procs["scheduler"].send_signal(signal.SIGTERM)
-        _wait_until(lambda: _health(a) == 503, "the frontend stayed Ready while its engine drained", 1.0)
+        wait_until(lambda: _health(a) == 503, "the frontend stayed Ready while its engine drained", 1.0)
 
         # Sent while the frontend has no ready engine: it waits for one, it is not refused.
         def send() -> None:
@@ -148,7 +132,7 @@ def test_a_draining_engine_hands_its_frontend_over_to_the_next_engine_without_er
         status, body, _ = handed_over["result"]
         # Engine a refuses every new request while it drains: this one was served by b.
         assert status == 200 and body["usage"]["completion_tokens"] == 4, (status, body)
-        _wait_until(lambda: _health(a) == 200, "the frontend did not serve again from the new engine", 10)
+        wait_until(lambda: _health(a) == 200, "the frontend did not serve again from the new engine", 10)
         assert not stream.done.is_set()
 
     # The draining engine's stream ends complete, without an error, and engine a exits cleanly.
@@ -188,9 +172,9 @@ def test_consecutive_failed_steps_turn_the_worker_not_serving_and_a_restarted_wo
     for _ in range(2):
         status, body, _ = _http(cluster, "/v1/completions", _completion([5, 6, 7], 4))
         assert status in (500, 503), (status, body)
-    _wait_until(lambda: not _grpc_serving(cluster.worker_addr), "the worker stayed SERVING", 10)
-    _wait_until(lambda: not _grpc_serving(cluster.scheduler_addr), "the engine stayed SERVING", 10)
-    _wait_until(lambda: _health(cluster) == 503, "the frontend stayed Ready", 10)
+    wait_until(lambda: not grpc_serving(cluster.worker_addr), "the worker stayed SERVING", 10)
+    wait_until(lambda: not grpc_serving(cluster.scheduler_addr), "the engine stayed SERVING", 10)
+    wait_until(lambda: _health(cluster) == 503, "the frontend stayed Ready", 10)
     status, body, headers = _http(cluster, "/v1/completions", _completion([5, 6, 7], 4))
     assert status == 503 and headers.get("Retry-After"), (status, body, headers)
     assert worker.poll() is None  # broken, not dead: the liveness probe is what restarts it

@@ -5,17 +5,15 @@ import contextlib
 import json
 import signal
 import threading
-import time
 import urllib.error
 import urllib.request
 
-import grpc
 import openai
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.model_files import resolve_model
 from tests.e2e.cluster import SpindleCluster
+from tests.e2e.probes import grpc_serving, health_status, wait_until
 
 LONG_MAX_TOKENS = 60
 
@@ -33,20 +31,6 @@ def cluster(tmp_path):
 
 def _client(cluster) -> openai.OpenAI:
     return openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def _health_status(cluster) -> int:
-    try:
-        with urllib.request.urlopen(cluster.base_url + "/health", timeout=5) as resp:
-            return resp.status
-    except urllib.error.HTTPError as err:
-        return err.code
-
-
-def _grpc_serving(addr: str) -> bool:
-    with grpc.insecure_channel(addr) as channel:
-        resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
-    return resp.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def _start_long_stream(cluster, results: dict) -> tuple[threading.Event, threading.Event]:
@@ -91,14 +75,6 @@ def _stats(cluster) -> dict:
         return json.load(resp)
 
 
-def _wait_until(condition, what: str, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} within {timeout_s:.0f} s")
-        time.sleep(0.05)
-
-
 @contextlib.contextmanager
 def _worker_paused(cluster):
     """Stops the worker process (SIGSTOP) so no step completes: a running request stays in flight, for
@@ -122,8 +98,8 @@ def test_frontend_sigterm_drains_in_flight_and_refuses_new(cluster):
         # Paused once the first token is out: the stream cannot end before the worker resumes.
         assert _stats(cluster)["num_running_reqs"] == 1
         cluster.procs["frontend"].send_signal(signal.SIGTERM)
-        _wait_until(lambda: _health_status(cluster) == 503, "/health did not turn 503 on SIGTERM")
-        _wait_until(lambda: not _grpc_serving(cluster.frontend_grpc_addr), "gRPC health stayed SERVING")
+        wait_until(lambda: health_status(cluster) == 503, "/health did not turn 503 on SIGTERM")
+        wait_until(lambda: not grpc_serving(cluster.frontend_grpc_addr), "gRPC health stayed SERVING")
         _assert_new_requests_refused(cluster)
         # The refusals came while the stream was still in flight, not after it ended.
         assert not done.is_set() and _stats(cluster)["num_running_reqs"] == 1
@@ -140,7 +116,7 @@ def test_scheduler_sigterm_drains_in_flight_and_refuses_new(cluster):
     with _worker_paused(cluster):
         assert _stats(cluster)["num_running_reqs"] == 1
         cluster.procs["scheduler"].send_signal(signal.SIGTERM)
-        _wait_until(lambda: not _grpc_serving(cluster.scheduler_addr), "scheduler gRPC health stayed SERVING")
+        wait_until(lambda: not grpc_serving(cluster.scheduler_addr), "scheduler gRPC health stayed SERVING")
         _assert_new_requests_refused(cluster)
         assert not done.is_set() and _stats(cluster)["num_running_reqs"] == 1
     assert done.wait(120), "the in-flight request hung"
@@ -157,7 +133,7 @@ def test_lost_worker_fails_requests_clearly_and_the_engine_recovers(cluster):
     assert done.wait(30), "a request on a dead worker hung"
     assert "error" in results, "a request on a dead worker must fail, not complete"
     assert "worker" in str(results["error"]).lower()
-    _wait_until(lambda: _health_status(cluster) == 503, "health did not turn NOT_SERVING", timeout_s=10)
+    wait_until(lambda: health_status(cluster) == 503, "health did not turn NOT_SERVING", timeout_s=10)
     _assert_new_requests_refused(cluster)
 
     cluster.start_service("worker")
@@ -168,6 +144,6 @@ def test_lost_worker_fails_requests_clearly_and_the_engine_recovers(cluster):
     assert resp.choices[0].message.content == "The capital of France is Paris."
     # A worker lost while the engine is idle is noticed too, before a request finds out.
     cluster.procs["worker"].kill()
-    _wait_until(lambda: _health_status(cluster) == 503, "an idle engine did not notice its worker died",
+    wait_until(lambda: health_status(cluster) == 503, "an idle engine did not notice its worker died",
                 timeout_s=10)
-    assert not _grpc_serving(cluster.scheduler_addr)
+    assert not grpc_serving(cluster.scheduler_addr)

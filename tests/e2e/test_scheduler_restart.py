@@ -11,16 +11,14 @@ import http.client
 import json
 import signal
 import threading
-import time
 import urllib.error
 import urllib.request
 from unittest import mock
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.e2e.cluster import SpindleCluster
+from tests.e2e.probes import grpc_serving, wait_until
 from tests.e2e.test_tiny_models import build_tiny_model
 
 # Long enough that no stream can finish on its own before the scheduler is killed.
@@ -114,20 +112,6 @@ class Stream:
             self.done.set()
 
 
-def _wait_until(condition, what: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} within {timeout_s:.0f} s")
-        time.sleep(0.1)
-
-
-def _grpc_serving(addr: str) -> bool:
-    with grpc.insecure_channel(addr) as channel:
-        resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
-    return resp.status == health_pb2.HealthCheckResponse.SERVING
-
-
 @contextlib.contextmanager
 def _worker_paused(cluster):
     """No step completes while the block lasts, so the streams are provably mid-flight at the kill."""
@@ -169,7 +153,7 @@ def test_scheduler_killed_mid_stream_fails_requests_and_the_frontend_reconnects(
             final_only_done.set()
 
     threading.Thread(target=post_final_only, daemon=True).start()
-    _wait_until(lambda: _get(cluster, "/stats")[1]["num_running_reqs"] == NUM_STREAMS + 1,
+    wait_until(lambda: _get(cluster, "/stats")[1]["num_running_reqs"] == NUM_STREAMS + 1,
                 "the non-streamed request did not start running", timeout_s=60)
 
     with _worker_paused(cluster):
@@ -201,7 +185,7 @@ def test_scheduler_killed_mid_stream_fails_requests_and_the_frontend_reconnects(
     status, body, _ = _post(cluster, _body(model, 2))
     assert (status, body["error"]["code"]) == (503, "service_unavailable"), body
     assert body["error"]["message"] == "The engine is not ready; try again shortly.", body
-    assert worker.poll() is None and _grpc_serving(cluster.worker_addr)
+    assert worker.poll() is None and grpc_serving(cluster.worker_addr)
 
     cluster.start_service("scheduler")
     cluster.wait_healthy(timeout_s=RECONNECT_DEADLINE_S)  # the frontend reconnected by itself

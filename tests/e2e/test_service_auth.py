@@ -15,7 +15,6 @@ import json
 import random
 import signal
 import threading
-import time
 import urllib.request
 
 import grpc
@@ -31,6 +30,7 @@ from services.worker.scheduler_lease import BUSY
 from tests.common.certs import CertificateAuthority, Issued
 from tests.e2e.cluster import SpindleCluster
 from tests.e2e.parity import Reference, assert_greedy_match, hf_greedy
+from tests.e2e.probes import wait_until
 from tests.e2e.test_tiny_models import build_tiny_model
 
 SCHEDULER_TOKEN = "scheduler-" + "3f9a1c7e5b2d4086" * 2
@@ -167,14 +167,6 @@ def _first_tokens(reference: Reference, num_tokens: int) -> Reference:
                                step_logits=reference.step_logits[:num_tokens], max_new_tokens=num_tokens)
 
 
-def _wait_until(condition, what: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} within {timeout_s:.0f} s")
-        time.sleep(0.05)
-
-
 # --- tokens ------------------------------------------------------------------------------------------
 def test_without_the_right_token_the_scheduler_and_the_worker_refuse(token_cluster):
     refused = {"GetEngineInfo": UNAUTHENTICATED, "Connect": UNAUTHENTICATED}
@@ -268,7 +260,7 @@ def test_served_requests_match_greedy_and_a_second_scheduler_cannot_take_the_wor
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    _wait_until(lambda: _num_running(tls_cluster) == 1, "the request did not start running")
+    wait_until(lambda: _num_running(tls_cluster) == 1, "the request did not start running")
     with _scheduler_paused(tls_cluster):
         assert thread.is_alive(), result
         # A caller with the scheduler's identity gets past TLS, and is refused by the busy worker.

@@ -5,9 +5,6 @@ a new process group with it) without restarting the scheduler or the frontend.""
 from __future__ import annotations
 
 import threading
-import time
-import urllib.error
-import urllib.request
 
 import openai
 import torch
@@ -15,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from tests.e2e.cluster import SpindleCluster
 from tests.e2e.parity import assert_greedy_match, hf_greedy
+from tests.e2e.probes import health_status, wait_until
 from tests.e2e.test_tiny_models import build_tiny_model
 
 LONG_MAX_TOKENS = 3000  # thousands of steps: still running when rank 1 is killed
@@ -30,22 +28,6 @@ def _long_context_tiny_qwen2(path):
 
 def _client(cluster) -> openai.OpenAI:
     return openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def _health_status(cluster) -> int:
-    try:
-        with urllib.request.urlopen(cluster.base_url + "/health", timeout=5) as resp:
-            return resp.status
-    except urllib.error.HTTPError as err:
-        return err.code
-
-
-def _wait_until(condition, what: str, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} within {timeout_s:.0f} s")
-        time.sleep(0.05)
 
 
 def _start_streams(cluster, model_name: str, num_streams: int) -> tuple[list[threading.Event], list[threading.Event], list[dict]]:
@@ -86,15 +68,15 @@ def test_killed_rank_fails_requests_then_a_restarted_rank_rejoins(tmp_path):
         for result in results:
             assert "error" in result, "a request whose rank died must fail, not complete"
             assert "rank 1" in str(result["error"]), result["error"]
-        _wait_until(lambda: _health_status(cluster) == 503, "health did not turn 503", timeout_s=10)
+        wait_until(lambda: health_status(cluster) == 503, "health did not turn 503", timeout_s=10)
 
         # A rank 1 in bfloat16 does not match rank 0's float32: refused, and the engine stays down.
         cluster.service_env["worker1"] = {**cluster.service_env["worker1"], "SPINDLE_DTYPE": "bfloat16"}
         cluster.start_service("worker1")
         refusal = "rank 1 at " + cluster.worker_addrs[1] + " refused: its dtype 'bfloat16' differs from rank 0's 'float32'"
-        _wait_until(lambda: refusal in cluster.log_tail("scheduler", 20000), "the mismatched rank was not refused",
+        wait_until(lambda: refusal in cluster.log_tail("scheduler", 20000), "the mismatched rank was not refused",
                     timeout_s=120)
-        assert _health_status(cluster) == 503
+        assert health_status(cluster) == 503
         cluster.stop_service("worker1")
 
         del cluster.service_env["worker1"]["SPINDLE_DTYPE"]
