@@ -79,9 +79,10 @@ class ModelRunner:
         grammar_compiler: GrammarCompiler | None = None,
         tp_group: TensorParallelGroup | None = None,
     ):
-        """`tp_group`: this rank's tensor-parallel group. Every rank runs the forward on its shard;
-        only the sampling rank (0) computes logits, samples and keeps grammars, and it broadcasts the
-        step's sampled tokens so the other ranks append the same tokens to their requests."""
+        """`tp_group`: this rank's tensor-parallel group. Every rank runs the forward on its shard and
+        computes the logits of its vocabulary slice, gathered to the sampling rank (0); only that
+        rank samples and keeps grammars, and it broadcasts the step's sampled tokens so the other
+        ranks append the same tokens to their requests."""
         self.model = model
         self.tp_group = tp_group
         self.is_sampling_rank = tp_group is None or tp_group.is_sampling_rank
@@ -140,7 +141,8 @@ class ModelRunner:
         prepared = time.perf_counter_ns()
         hidden_states = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         logits = None
-        if len(inputs.sample_indices) and self.is_sampling_rank:
+        if len(inputs.sample_indices):
+            # Tensor parallel: every rank computes its vocabulary slice; None but on the sampling rank.
             logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
         forwarded = time.perf_counter_ns()
         sampled = [[] for _ in inputs.req_ids]

@@ -19,6 +19,24 @@ from services.worker.platforms.cpu import CpuPlatform
 from tests.e2e.cluster import free_port
 
 
+def save_tiny_tied_model(path: Path, vocab_size: int) -> Path:
+    """A 2-layer random Llama like harness.save_tiny_model's, with tied embeddings and `vocab_size`
+    (an odd one does not divide over two ranks)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=True, rope_theta=10000.0))
+    with torch.no_grad():
+        for layer in model.model.layers:  # sharpen attention, as save_tiny_model does
+            layer.self_attn.q_proj.weight.mul_(8.0)
+            layer.self_attn.k_proj.weight.mul_(8.0)
+    model.save_pretrained(str(path))
+    return path
+
+
 def make_rank_runner(model_dir: Path, group: TensorParallelGroup, block_size: int = 4, num_blocks: int = 128,
                      max_num_seqs: int = 16) -> ModelRunner:
     hf_config = load_config(model_dir)

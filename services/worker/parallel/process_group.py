@@ -119,6 +119,15 @@ class TensorParallelGroup:
         self._run(lambda group: group.broadcast(tensor, src), "broadcast")
         return tensor
 
+    def gather(self, tensor: torch.Tensor, dst: int = 0) -> list[torch.Tensor] | None:
+        """Every rank's `tensor` (the same shape and dtype on all) on rank `dst`, in rank order; None
+        on the other ranks, which only send theirs."""
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)] if self.rank == dst else []
+        options = dist.GatherOptions()
+        options.rootRank = dst
+        self._run(lambda group: group.gather([parts] if parts else [], [tensor], options), "gather")
+        return parts or None
+
     def _run(self, start, what: str) -> None:
         group = self._group
         if group is None or self._broken is not None:

@@ -8,9 +8,13 @@ With fewer KV heads than ranks each KV head is replicated on `world_size // num_
 the query heads are split evenly (both counts must then divide). The MLP's intermediate dimension
 is split in contiguous chunks, earlier ranks taking one more when it does not divide.
 
-The embedding and the LM head are replicated, not split by vocabulary: a split embedding costs an
-all-reduce of every token's hidden state (measured 2-7x slower for SmolLM2's 49k vocabulary), and
-with the LM head on rank 0 alone no logits cross between ranks (docs/benchmarks.md).
+The LM head is split by vocabulary in contiguous row ranges, earlier ranks taking one more when
+the vocabulary does not divide (vocab_parallel.py gathers the slices' logits to rank 0); the
+embedding stays replicated. Measured on two gloo ranks with the CPU platform's prepacked weights,
+SmolLM2's 49,152 x 576 (docs/benchmarks.md): the split head is faster than the replicated one on
+rank 0 at 1 and 32 rows in float32 (9.1 -> 6.4 ms, 20.9 -> 18.7) and bfloat16 (4.9 -> 3.4,
+11.3 -> 8.1), while a split embedding costs an all-reduce of every token's hidden state (2-7x
+slower than a replicated lookup). So every plan of more than one rank splits the LM head alone.
 """
 from __future__ import annotations
 
@@ -20,11 +24,13 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class RankShard:
-    """One rank's slices, as [start, stop) ranges of heads and of the intermediate dimension."""
+    """One rank's slices, as [start, stop) ranges of heads, of the intermediate dimension and of the
+    LM head's vocabulary rows."""
 
     q_heads: range
     kv_heads: range
     intermediate: range
+    vocab: range
 
 
 def split_evenly(total: int, num_parts: int) -> list[range]:
@@ -45,6 +51,7 @@ class ShardPlan:
     num_kv_heads: int
     head_dim: int
     intermediate_size: int
+    vocab_size: int
     ranks: tuple[RankShard, ...]
 
     @classmethod
@@ -56,6 +63,7 @@ class ShardPlan:
         num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         intermediate_size = hf_config.intermediate_size
+        vocab_size = hf_config.vocab_size
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} query heads do not form groups over {num_kv_heads} KV heads")
         group = num_heads // num_kv_heads
@@ -72,11 +80,13 @@ class ShardPlan:
             replicas = world_size // num_kv_heads
             q_ranges = [range(r * num_q, (r + 1) * num_q) for r in range(world_size)]
             kv_ranges = [range(r // replicas, r // replicas + 1) for r in range(world_size)]
-        if intermediate_size < world_size:
-            raise ValueError(f"intermediate size {intermediate_size} is smaller than {world_size} ranks")
-        ranks = tuple(RankShard(q, kv, inter) for q, kv, inter in
-                      zip(q_ranges, kv_ranges, split_evenly(intermediate_size, world_size), strict=True))
-        return cls(world_size, num_heads, num_kv_heads, head_dim, intermediate_size, ranks)
+        for name, size in (("intermediate size", intermediate_size), ("vocabulary", vocab_size)):
+            if size < world_size:
+                raise ValueError(f"{name} {size} is smaller than {world_size} ranks")
+        ranks = tuple(RankShard(q, kv, inter, vocab) for q, kv, inter, vocab in zip(
+            q_ranges, kv_ranges, split_evenly(intermediate_size, world_size), split_evenly(vocab_size, world_size),
+            strict=True))
+        return cls(world_size, num_heads, num_kv_heads, head_dim, intermediate_size, vocab_size, ranks)
 
     def describe(self) -> str:
         """The whole layout in one line: equal on every rank of one engine, or they cannot work together."""
@@ -85,7 +95,8 @@ class ShardPlan:
 
         replicated = " replicated" if self.num_kv_heads < self.world_size else ""
         return (f"tp={self.world_size} q_heads={sizes('q_heads')} kv_heads={sizes('kv_heads')}{replicated} "
-                f"head_dim={self.head_dim} intermediate={sizes('intermediate')} vocab=replicated")
+                f"head_dim={self.head_dim} intermediate={sizes('intermediate')} lm_head_vocab={sizes('vocab')} "
+                "embedding=replicated")
 
     def local_hf_config(self, hf_config, rank: int):
         """A copy of the HF config with this rank's head and intermediate counts, so the model is

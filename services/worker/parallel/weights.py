@@ -3,7 +3,9 @@
 Column-parallel projections (q, k, v, gate, up) keep the output rows of the rank's heads or
 intermediate chunk; row-parallel ones (o_proj, down_proj) keep the matching input columns, and
 their bias only on rank 0 (the other ranks get zeros), since the all-reduce that follows sums
-every rank's output. Everything else (embedding, norms, LM head) is replicated.
+every rank's output. The LM head keeps the rows of the rank's vocabulary slice. Everything else
+(embedding, norms) is replicated; a tied checkpoint's copy of the LM head is cut too, then skipped
+by the model, whose head reads the embedding's rows.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from services.worker.parallel.shard_plan import RankShard, ShardPlan
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
+VOCAB_PARALLEL = ("lm_head.weight",)
 
 
 def _rows(shard: RankShard, plan: ShardPlan, projection: str) -> range:
@@ -30,6 +33,9 @@ def _rows(shard: RankShard, plan: ShardPlan, projection: str) -> range:
 
 def shard_tensor(name: str, tensor: torch.Tensor, plan: ShardPlan, rank: int) -> torch.Tensor:
     """The part of checkpoint tensor `name` that rank `rank` holds (the tensor itself if replicated)."""
+    if name in VOCAB_PARALLEL:
+        vocab = plan.ranks[rank].vocab
+        return tensor[vocab.start : vocab.stop]
     parts = name.rsplit(".", 2)
     if len(parts) < 3:
         return tensor
