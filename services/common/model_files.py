@@ -168,11 +168,23 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         quantizer.remove_quantization_config(model)
     model.save_pretrained(str(out_dir), safe_serialization=True)
     tokenizer.save_pretrained(str(out_dir))
-    (out_dir / _DONE_MARKER).write_text(f"converted from {gguf_path}\n")
+    (out_dir / _DONE_MARKER).write_text(f"{_SOURCE_PREFIX}{gguf_path}\n")
     logger.info("converted %s in %.1f s", gguf_path.name, time.monotonic() - start)
 
 
 _DONE_MARKER = "spindle-converted.txt"
+_SOURCE_PREFIX = "converted from "
+
+
+def gguf_source(folder: str | os.PathLike) -> Path | None:
+    """The GGUF file a converted folder came from, if it still exists (the worker reads Q8_0 weights
+    from it directly under --quantization int8); None for any other folder."""
+    marker = Path(folder) / _DONE_MARKER
+    if not marker.is_file():
+        return None
+    text = marker.read_text().strip()
+    source = Path(text.removeprefix(_SOURCE_PREFIX)) if text.startswith(_SOURCE_PREFIX) else None
+    return source if source is not None and source.suffix == ".gguf" and source.is_file() else None
 
 
 def _add_generation_defaults(folder: Path, defaults: dict[str, float]) -> None:

@@ -20,6 +20,7 @@ from services.common.telemetry import TelemetryConfig, add_telemetry_flags, tele
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 GiB = 2**30
+QUANTIZATIONS = ("none", "int8")
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,11 @@ class WorkerConfig:
     attention_backend: str = "auto"  # auto: CUDA kernels on a GPU, compiled kernels on a CPU; torch
     # CPU without native bf16: 16-bit weights also kept as float32 for batched matmuls (3x weight memory).
     cpu_float32_copy: bool = True
+    # bfloat16 on a CPU: decode matmuls of up to 8 rows on the compiled GEMV, which reads the plain
+    # weight kept beside oneDNN's packed copy (on a CPU with native bf16, 2x the matmul weight memory).
+    cpu_gemv: bool = True
+    # none, or int8: weight-only int8 matmul weights with per-channel scales (CPU only; layers/int8_linear.py).
+    quantization: str = "none"
     log_level: str = "INFO"
     shutdown_timeout: float = 30.0
     fake_model: bool = False  # no weights; each step returns a fixed token (engine-overhead benchmark)
@@ -76,6 +82,12 @@ class WorkerConfig:
             raise ValueError(f"--dtype {self.dtype!r}: expected auto or one of {sorted(DTYPES)}")
         if self.attention_backend not in ("auto", "torch"):
             raise ValueError(f"--attention-backend {self.attention_backend!r}: expected auto or torch")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"--quantization {self.quantization!r}: expected one of {QUANTIZATIONS}")
+        if self.quantization != "none" and self.tensor_parallel_size > 1:
+            # Each rank would quantize its shard from float weights and the vocabulary-split head its
+            # slice: untested, so refused rather than served.
+            raise ValueError("--quantization int8 is not supported with --tensor-parallel-size > 1 yet")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device {self.device!r}: expected auto, cpu or cuda")
         for name in ("kv_cache_bytes", "block_size", "max_num_batched_tokens", "max_num_seqs"):
@@ -130,6 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--cpu-float32-copy", type=bool, default=True,
              help="bfloat16/float16 on a CPU without native bf16: keep a float32 copy of the matmul weights "
                   "for batches of more than 2 rows (3x the weight memory; batched decode about 1.9x faster)")
+    add_flag(parser, "--cpu-gemv", type=bool, default=True,
+             help="bfloat16 on a CPU: decode matmuls of up to 8 rows on the compiled GEMV kernel (batch-1 "
+                  "decode about 1.25x faster; with native bf16 it keeps the plain weights beside the packed "
+                  "ones: 2x the matmul weight memory)")
+    add_flag(parser, "--quantization", default="none", choices=list(QUANTIZATIONS),
+             help="int8: weight-only int8 matmul weights (the LM head too) with a scale per output channel, "
+                  "activations in --dtype; half of bf16's weight memory; CPU only (GGUF Q8_0 weights read "
+                  "from the file)")
     add_flag(parser, "--fake-model", type=bool, default=False,
              help="load no weights; every step returns a fixed token at once (measures engine overhead)")
     add_flag(parser, "--fake-model-fault-token-id", type=int, default=-1,
@@ -175,6 +195,8 @@ def config_from_args(argv: list[str] | None = None) -> WorkerConfig:
         num_threads=args.num_threads,
         attention_backend=args.attention_backend,
         cpu_float32_copy=args.cpu_float32_copy,
+        cpu_gemv=args.cpu_gemv,
+        quantization=args.quantization,
         log_level=args.log_level,
         shutdown_timeout=args.shutdown_timeout,
         fake_model=args.fake_model,

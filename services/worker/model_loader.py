@@ -1,6 +1,7 @@
 """Builds a model from a Hugging Face folder of safetensors (sharded or not), or a GGUF file.
 
-GGUF files are first converted once into a safetensors folder by `services.common.model_files`.
+GGUF files are first converted once into a safetensors folder by `services.common.model_files`;
+under `--quantization int8` the file's Q8_0 weights are then read from it as int8 (layers/gguf_int8.py).
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from services.common.model_files import resolve_model
+from services.common.model_files import gguf_source, resolve_model
+from services.worker.layers.gguf_int8 import attach_q8_0_weights
 from services.worker.models import get_model_class
 from services.worker.platforms import Platform
 
@@ -84,6 +86,10 @@ def load_model(model: str | Path, platform: Platform, cache_dir: str | None = No
     if missing:
         raise ValueError(f"checkpoint in {model_path} lacks {sorted(missing)[:5]} ({len(missing)} missing)")
     net.eval().requires_grad_(False)
+    source = gguf_source(model_path) if platform.quantization == "int8" else None
+    if source is not None and shard is None:  # a rank's shard would need its int8 cut the same way
+        logger.info("%d matmul weights from the Q8_0 tensors of %s", attach_q8_0_weights(net, source, config),
+                    source.name)
     num_params = sum(p.numel() for p in net.parameters())
     packing = platform.process_weights_after_loading(net)
     logger.info(

@@ -75,6 +75,8 @@ class Worker:
         local_config = hf_config
         if shard is not None:
             local_config, shard_layout = shard.local_hf_config(hf_config), shard.plan.describe()
+            # Ranks must agree on the weights' format too: the layout line carries it.
+            shard_layout += f" quantization={self.config.quantization}"
             logger.info("tensor parallel rank %d of %d: %s", shard.rank, shard.plan.world_size, shard_layout)
         platform = build_platform(self.config, self.device, self.dtype, AttentionHeads.from_hf_config(local_config))
         self.platform = platform

@@ -1,11 +1,16 @@
 """Token embedding and the language-model head (which may share its weight)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from services.worker.layers.linear import LinearBase
+
+if TYPE_CHECKING:
+    from services.worker.layers.int8_linear import Int8Weight
 
 
 class VocabEmbedding(nn.Module):
@@ -13,8 +18,16 @@ class VocabEmbedding(nn.Module):
         super().__init__()
         self.vocab_size = vocab_size
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+        self.int8_weight: Int8Weight | None = None  # a tied LM head's, once quantized
+        self.int8_dtype = torch.float32  # the rows' dtype when read from `int8_weight`
+
+    def use_int8(self, int8_weight: Int8Weight, dtype: torch.dtype) -> None:
+        """Looks rows up in `int8_weight` (the tied LM head's) from now on, dequantized into `dtype`."""
+        self.int8_weight, self.int8_dtype = int8_weight, dtype
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.int8_weight is not None:
+            return self.int8_weight.embedding(input_ids, self.int8_dtype)
         return F.embedding(input_ids, self.weight)
 
 

@@ -19,12 +19,26 @@ float32 oneDNN copy of the weight when the worker keeps one (`add_float32_copies
 the weight memory; a batch-32 decode step 378 -> 221 ms), else widen the weight to float32 a
 chunk of rows at a time (the chunk stays in cache for its matmul). Either way the float32 result
 is rounded back, which is how a native bfloat16 GEMM accumulates anyway.
+
+Up to `MAX_GEMV_ROWS` rows, bfloat16 weights multiply on the compiled GEMV where the platform
+hands one over (`gemv`, gemv.py): those matmuls only stream the weight, and the GEMV reads it at
+close to the memory bandwidth where oneDNN does not. It needs the plain weight, which `prepack`
+then keeps.
+
+With `--quantization int8` the platform swaps each weight for an `Int8Weight` (int8_linear.py)
+instead of packing it (`use_int8`), and `forward` multiplies on that.
 """
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from services.worker.layers.gemv import Gemv
+    from services.worker.layers.int8_linear import Int8Weight
 
 
 class LinearBase(nn.Module):
@@ -41,11 +55,22 @@ class LinearBase(nn.Module):
         self.packed_weight: torch.Tensor | None = None
         self.packed_bias: torch.Tensor | None = None  # float32, beside a 16-bit weight's packed copy
         self.weight_is_packed = False
+        self.int8_weight: Int8Weight | None = None  # --quantization int8: replaces `weight`
+        # The checkpoint's own int8 weight and per-channel scales (GGUF Q8_0), for quantization to use.
+        self.checkpoint_int8: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.gemv: Gemv | None = None  # the compiled GEMV for x of a few rows, on the plain weight
+
+    def use_int8(self, int8_weight: Int8Weight) -> None:
+        """Multiplies on `int8_weight` from now on and frees the float weight (a tied one too: its
+        embedding then reads `int8_weight`'s rows)."""
+        self.int8_weight = int8_weight
+        self.checkpoint_int8 = None
+        self.weight.data = self.weight.data.new_empty(0)
 
     def prepack(self) -> None:
         """Repacks the CPU weight for oneDNN in its own dtype and frees the plain copy (unless kept)."""
         self.packed_weight = pack_weight(self.weight)
-        if not self.keeps_weight_when_packed:
+        if not (self.keeps_weight_when_packed or self.gemv is not None):
             self.weight.data = self.weight.data.new_empty(0)
         self.weight_is_packed = True
 
@@ -55,6 +80,10 @@ class LinearBase(nn.Module):
         self.packed_bias = self.bias.float() if self.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8_weight is not None:
+            return self.int8_weight.linear(x, self.bias)
+        if self.gemv is not None and x.shape[0] <= MAX_GEMV_ROWS:
+            return self.gemv(x, self.weight, self.bias)
         if self.packed_weight is None:
             return linear(x, self.weight, self.bias)
         if self.weight_is_packed:
@@ -105,6 +134,7 @@ class QKVLinear(MergedLinear):
 
 MAX_NATIVE_16BIT_ROWS = 2  # CPU: above this, 16-bit weights are widened to float32 chunk by chunk
 WIDEN_CHUNK_ROWS = 1024  # weight rows widened per matmul
+MAX_GEMV_ROWS = 8  # CPU: up to this many rows, bfloat16 weights multiply on the compiled GEMV (gemv.py)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -5,7 +5,8 @@ kernel for the cache dtypes and head sizes it supports (else PyTorch attention),
 + RMSNorm, float32 SiLU-and-mul and RoPE + KV cache write as single kernel calls. Without them
 (`--attention-backend torch`, or a library that did not build): PyTorch throughout. Weights are
 prepacked for oneDNN (float32, and bfloat16 where the CPU has bfloat16 arithmetic), or 16-bit
-weights get a float32 copy for batches; the KV cache gets the `--kv-cache-bytes` budget.
+weights get a float32 copy for batches; with `--quantization int8` they are quantized to int8
+instead (layers/int8_linear.py). The KV cache gets the `--kv-cache-bytes` budget.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from services.common.model_files import default_cache_dir
 from services.worker.attention.backend import AttentionBackend
 from services.worker.attention.cpu_backend import CpuAttentionBackend
 from services.worker.attention.cpu_decode import PagedDecodeKernel
@@ -25,12 +27,20 @@ from services.worker.cpu_bitmask import CpuTokenBitmask
 from services.worker.cpu_kernels import load_cpu_kernels
 from services.worker.kv_cache import KVCacheLayout
 from services.worker.layers.fused_ops import CpuLayerOps, FusedOps
+from services.worker.layers.gemv import Gemv, use_gemv
+from services.worker.layers.int8_linear import Int8PathSelector, quantize_model
 from services.worker.layers.layer_ops import LayerOps, TorchLayerOps
-from services.worker.layers.linear import add_float32_copies, can_prepack, prepack_cpu_weights
+from services.worker.layers.linear import MAX_GEMV_ROWS, add_float32_copies, can_prepack, prepack_cpu_weights
 from services.worker.platforms.interface import AttentionHeads, Platform
 from services.worker.sampler import TorchSampler
 
 logger = logging.getLogger(__name__)
+
+INT8_THRESHOLDS_FILE = "int8_kernel_thresholds.json"  # in the cache dir: measured once per machine
+
+
+def _cache_dir(config: WorkerConfig) -> Path:
+    return Path(config.cache_dir) if config.cache_dir else default_cache_dir()
 
 
 class CpuPlatform(Platform):
@@ -38,10 +48,14 @@ class CpuPlatform(Platform):
 
     def __init__(self, dtype: torch.dtype, attention_backend: AttentionBackend, layer_ops: LayerOps, *,
                  float32_copy: bool, kv_cache_bytes: int = WorkerConfig.kv_cache_bytes,
-                 native_bf16: bool | None = None, sampler: TorchSampler | None = None):
+                 native_bf16: bool | None = None, sampler: TorchSampler | None = None,
+                 quantization: str = "none", gemv: Gemv | None = None,
+                 int8_selector: Int8PathSelector | None = None):
         """`float32_copy`: 16-bit weights also get a float32 packed copy for batches, unless the CPU
         multiplies bfloat16 natively. `kv_cache_bytes`: the KV cache budget (default: the flag's).
-        `native_bf16`: None asks this CPU (`cpu_has_native_bf16`)."""
+        `native_bf16`: None asks this CPU (`cpu_has_native_bf16`). `quantization`: none or int8,
+        whose kernel thresholds `int8_selector` measures (or finds stored).
+        `gemv`: the compiled GEMV, which bfloat16 weights then keep their plain copy for."""
         self.device = torch.device("cpu")
         self.dtype = dtype
         self.attention_backend = attention_backend
@@ -50,6 +64,9 @@ class CpuPlatform(Platform):
         self.kv_cache_budget_bytes = kv_cache_bytes
         self.native_bf16 = cpu_has_native_bf16() if native_bf16 is None else native_bf16
         self.float32_copy = float32_copy and not self.native_bf16
+        self.quantization = quantization
+        self.int8_selector = int8_selector or Int8PathSelector()
+        self.gemv = gemv
 
     @classmethod
     def from_config(cls, config: WorkerConfig, dtype: torch.dtype, heads: AttentionHeads) -> CpuPlatform:
@@ -58,17 +75,24 @@ class CpuPlatform(Platform):
             kernels = load_cpu_kernels(Path(config.cache_dir) if config.cache_dir else None)
         backend, layer_ops = _backend_and_ops(kernels, dtype, heads)
         sampler = TorchSampler(CpuTokenBitmask(kernels)) if kernels is not None else TorchSampler()
+        gemv = Gemv(kernels) if kernels is not None and config.cpu_gemv else None
         return cls(dtype, backend, layer_ops, kv_cache_bytes=config.kv_cache_bytes,
-                   float32_copy=config.cpu_float32_copy, sampler=sampler)
+                   float32_copy=config.cpu_float32_copy, sampler=sampler, quantization=config.quantization,
+                   gemv=gemv, int8_selector=Int8PathSelector(cache_path=_cache_dir(config) / INT8_THRESHOLDS_FILE))
 
     def process_weights_after_loading(self, model: nn.Module) -> str:
-        num_packed = num_copied = 0
+        if self.quantization == "int8":  # int8 weights are neither packed nor copied
+            return quantize_model(model, self.dtype, self.native_bf16, self.int8_selector)
+        num_packed = num_copied = num_gemv = 0
+        if self.gemv is not None and self.dtype == torch.bfloat16:  # before packing: it keeps plain weights
+            num_gemv = use_gemv(model, self.gemv)
         if can_prepack(self.device, self.dtype, native_bf16=self.native_bf16):
             num_packed = prepack_cpu_weights(model)
         is_16bit = self.dtype in (torch.bfloat16, torch.float16)
         if self.float32_copy and is_16bit and not num_packed:  # natively packed weights need no copy
             num_copied = add_float32_copies(model)
-        return f"{num_packed} matmul weights prepacked, {num_copied} with a float32 copy"
+        summary = f"{num_packed} matmul weights prepacked, {num_copied} with a float32 copy"
+        return summary + (f", {num_gemv} on the GEMV up to {MAX_GEMV_ROWS} rows" if num_gemv else "")
 
     def kv_cache_bytes(self, model: nn.Module, layout: KVCacheLayout, config: RunnerConfig) -> int:
         return self.kv_cache_budget_bytes

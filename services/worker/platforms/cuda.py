@@ -41,6 +41,8 @@ class CudaPlatform(Platform):
     @classmethod
     def from_config(cls, config: WorkerConfig, device: torch.device, dtype: torch.dtype,
                     heads: AttentionHeads) -> CudaPlatform:
+        if config.quantization != "none":
+            raise ValueError(f"--quantization {config.quantization} runs on a CPU only; use --device cpu")
         utilization = config.gpu_memory_utilization
         if config.attention_backend == "torch":
             return cls(device, dtype, TorchAttentionBackend(), TorchSampler(), gpu_memory_utilization=utilization)

@@ -47,6 +47,7 @@ class Platform(abc.ABC):
     attention_backend: AttentionBackend
     layer_ops: LayerOps
     sampler: Sampler
+    quantization: str = "none"  # of the matmul weights: none, or int8 (CPU)
 
     @abc.abstractmethod
     def process_weights_after_loading(self, model: nn.Module) -> str:

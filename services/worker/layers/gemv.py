@@ -1,0 +1,59 @@
+"""The compiled GEMV (csrc/gemv.c) for decode matmuls of a few rows on a plain bfloat16 weight.
+
+At a few rows a matmul only streams its weight, and oneDNN's GEMM runs well below the
+memory bandwidth there: 30 layers' matmuls of SmolLM2-135M (212 MB of bfloat16) at one row take
+about 11 ms on the GEMV against 14-17 ms on the prepacked oneDNN weight (2-core Zen 4, AVX512_BF16;
+docs/benchmarks.md). The GEMV reads the checkpoint layout [out, in], so a layer that uses it keeps
+its plain weight; `use_gemv` marks the layers, `LinearBase.forward` takes the GEMV for x of at
+most `MAX_GEMV_ROWS` (linear.py) rows.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import nn
+
+from services.worker.layers.linear import LinearBase
+
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+_OUT_DTYPES = (torch.bfloat16, torch.float32)  # x's dtype, which the output takes
+
+
+class Gemv:
+    """y = x W^T (+ b) for x [M, K] in bfloat16 or float32, W [N, K] bfloat16 contiguous, b [N]
+    bfloat16 or None; y [M, N] in x's dtype, summed in float32."""
+
+    def __init__(self, library: ctypes.CDLL):
+        self._functions = {}
+        for dtype, name in zip(_OUT_DTYPES, ("gemv_bf16", "gemv_f32")):
+            function = getattr(library, name)
+            function.argtypes, function.restype = [_P] * 4 + [_I64] * 3, None
+            self._functions[dtype] = function
+        self.has_bf16_dot = bool(library.gemv_has_bf16_dot())  # AVX512_BF16 dot products, else widened
+
+    @staticmethod
+    def supports_weight(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether a layer's weight (and bias) can be multiplied here; checked once, at loading."""
+        plain = weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
+        return plain and weight.is_contiguous() and weight.numel() > 0 and (
+            bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        function = self._functions.get(x.dtype)
+        if function is None or x.dim() != 2 or x.shape[1] != weight.shape[1]:
+            raise ValueError(f"GEMV: x {x.dtype} {tuple(x.shape)} against a bfloat16 weight {tuple(weight.shape)}")
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+        function(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+                 x.shape[0], weight.shape[0], weight.shape[1])
+        return out
+
+
+def use_gemv(model: nn.Module, gemv: Gemv) -> int:
+    """Hands `gemv` to every matmul layer of `model` whose weight it supports; returns how many.
+    Run before prepacking: a layer with the GEMV keeps its plain weight beside a packed one."""
+    layers = [m for m in model.modules() if isinstance(m, LinearBase) and Gemv.supports_weight(m.weight, m.bias)]
+    for layer in layers:
+        layer.gemv = gemv
+    return len(layers)

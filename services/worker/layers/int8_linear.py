@@ -1,0 +1,228 @@
+"""Weight-only int8 (`--quantization int8`): every matmul weight, the LM head included, held as int8
+with a float32 scale per output channel; activations stay in the model's dtype (float32 or
+bfloat16).
+
+`Int8Weight` multiplies by one of two kernels (int8_kernels.py), chosen per call by the row count:
+`aten._weight_int8pack_mm` up to `max_int8pack_rows` rows, the chunk-widening GEMM above. The
+threshold is measured once per weight shape on this machine (`Int8PathSelector`, stored in the
+cache dir so that restarts keep it and so their greedy output), not fixed, because the crossing
+moves with the CPU: on a 2-core AVX512_BF16 EPYC (no AMX) the
+int8 GEMM wins up to 2-4 rows and loses 2.5-4x at 32 rows to the widening path's oneDNN bf16 GEMM,
+which on an AMX CPU runs on AMX tiles and may cross sooner (docs/benchmarks.md, "Weight-only int8").
+
+With tied embeddings the LM head's int8 weight also serves the embedding lookup: its rows are
+per-row quantized already (an output channel of the head is a token's row), so a lookup widens
+the looked-up rows and scales them, and no float copy of the 49k x 576 table stays in memory.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.worker.layers.int8_kernels import (
+    dequantize_chunks_linear,
+    has_int8pack_mm,
+    int8pack_linear,
+    quantize_per_channel,
+)
+
+logger = logging.getLogger(__name__)
+
+ROW_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # row counts timed at start-up
+NO_LIMIT = 2**31  # int8pack_mm at every row count
+MIN_RUN_S = 0.002  # each timed run of a kernel lasts about this long
+
+
+class Int8Weight:
+    """An int8 weight [out, in] with float32 per-channel scales, and the row count up to which it
+    multiplies on `aten._weight_int8pack_mm`."""
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, *, native_bf16: bool,
+                 max_int8pack_rows: int = 0):
+        if qweight.dtype != torch.int8 or qweight.dim() != 2 or scales.shape != (qweight.shape[0],):
+            raise ValueError(f"expected int8 [out, in] and [out] scales, got {qweight.dtype} "
+                             f"{tuple(qweight.shape)} and {tuple(scales.shape)}")
+        self.qweight = qweight.contiguous()
+        self.scales = scales.float().contiguous()
+        self.native_bf16 = native_bf16
+        self.max_int8pack_rows = max_int8pack_rows if supports_int8pack(self.qweight) else 0
+        self._scales_by_dtype = {torch.float32: self.scales}
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.qweight.shape
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._scales_by_dtype.values()) + self.qweight.numel()
+
+    def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The widening path's GEMM dtype: bfloat16 where the CPU has bf16 arithmetic, else float32
+        (an emulated bfloat16 GEMM is several times slower than float32)."""
+        return dtype if dtype == torch.float32 or (dtype == torch.bfloat16 and self.native_bf16) else torch.float32
+
+    def scales_in(self, dtype: torch.dtype) -> torch.Tensor:
+        if dtype not in self._scales_by_dtype:  # int8pack_mm takes scales in the activations' dtype
+            self._scales_by_dtype[dtype] = self.scales.to(dtype)
+        return self._scales_by_dtype[dtype]
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, use_int8pack: bool | None = None) -> torch.Tensor:
+        """x W^T (+ b) in x's dtype; `use_int8pack` None: by the row count."""
+        if use_int8pack is None:
+            use_int8pack = x.shape[0] <= self.max_int8pack_rows
+        if use_int8pack:
+            out = int8pack_linear(x, self.qweight, self.scales_in(x.dtype))
+        else:
+            compute = self.compute_dtype(x.dtype)
+            out = dequantize_chunks_linear(x, self.qweight, self.scales_in(compute), compute)
+        return out if bias is None else out + bias
+
+    def embedding(self, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The rows of `input_ids`, dequantized into `dtype`."""
+        rows = F.embedding(input_ids, self.qweight).float()
+        return (rows * self.scales[input_ids].unsqueeze(-1)).to(dtype)
+
+
+def supports_int8pack(qweight: torch.Tensor) -> bool:
+    # torch 2.13's int8pack_mm gives NaN or wrong sums for an input size not a multiple of 16
+    # (8, 24, 40 measured) and crashes for some (33, 34, 36): such weights widen at every row count.
+    return has_int8pack_mm() and qweight.shape[1] % 16 == 0
+
+
+class Int8PathSelector:
+    """Times both kernels once per (shape, dtype) at the row counts of ROW_GRID and keeps, as the
+    threshold, the last row count before the widening path first wins twice in a row (so one noisy
+    sample does not decide it, and large row counts of a slow path are not timed at all).
+
+    The two kernels round differently, so a threshold that moved between restarts would change
+    greedy output: with `cache_path` the thresholds are stored per machine (CPU capability, thread
+    count, torch version) and a restart reuses them instead of timing again."""
+
+    def __init__(self, num_repeats: int = 3, cache_path: Path | None = None):
+        self.num_repeats = num_repeats
+        self.cache_path = cache_path
+        # (out, in, activations' dtype, widening GEMM's dtype) -> threshold
+        self.thresholds: dict[tuple[int, int, torch.dtype, torch.dtype], int] = {}
+        self._stored: dict | None = None  # read on first use: a worker without int8 never opens it
+
+    def max_int8pack_rows(self, weight: Int8Weight, dtype: torch.dtype) -> int:
+        if not supports_int8pack(weight.qweight):
+            return 0
+        key = (*weight.shape, dtype, weight.compute_dtype(dtype))
+        if key not in self.thresholds:
+            if self._stored is None:
+                self._stored = self._load()
+            stored = self._stored.get(self._cache_key(key))
+            self.thresholds[key] = stored if isinstance(stored, int) else self._measure(weight, dtype)
+            self._save(key)
+            logger.info("int8 %dx%d %s: int8pack_mm up to %s rows, widened bf16/float32 GEMM above", key[0],
+                        key[1], str(dtype).removeprefix("torch."),
+                        "any" if self.thresholds[key] == NO_LIMIT else self.thresholds[key])
+        return self.thresholds[key]
+
+    @staticmethod
+    def _cache_key(key: tuple[int, int, torch.dtype, torch.dtype]) -> str:
+        machine = f"{_cpu_model()}/{torch.backends.cpu.get_cpu_capability()}/{torch.get_num_threads()}t/torch-{torch.__version__}"
+        dtypes = "/".join(str(d).removeprefix("torch.") for d in key[2:])
+        return f"{machine}/{key[0]}x{key[1]}/{dtypes}"
+
+    def _load(self) -> dict:
+        if self.cache_path is None or not self.cache_path.is_file():
+            return {}
+        try:
+            stored = json.loads(self.cache_path.read_text())
+        except (OSError, ValueError) as exc:
+            logger.warning("ignoring unreadable %s: %s", self.cache_path, exc)
+            return {}
+        return stored if isinstance(stored, dict) else {}
+
+    def _save(self, key: tuple[int, int, torch.dtype, torch.dtype]) -> None:
+        name = self._cache_key(key)
+        if self.cache_path is None or self._stored.get(name) == self.thresholds[key]:
+            return
+        self._stored[name] = self.thresholds[key]
+        try:  # best effort: a read-only cache measures again at the next start
+            self.cache_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.cache_path.with_name(f".{self.cache_path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(self._stored, indent=1, sort_keys=True) + "\n")
+            os.replace(tmp, self.cache_path)
+        except OSError as exc:
+            logger.warning("int8 thresholds not stored in %s: %s", self.cache_path, exc)
+
+    def _measure(self, weight: Int8Weight, dtype: torch.dtype) -> int:
+        threshold, num_losses = 0, 0
+        for num_rows in ROW_GRID:
+            x = torch.randn(num_rows, weight.shape[1]).to(dtype)
+            int8pack_s = self._best_time(lambda: weight.linear(x, use_int8pack=True))
+            widened_s = self._best_time(lambda: weight.linear(x, use_int8pack=False))
+            if int8pack_s <= widened_s:
+                threshold, num_losses = (num_rows if num_losses == 0 else threshold), 0
+            else:
+                num_losses += 1
+                if num_losses == 2:
+                    return threshold
+        return NO_LIMIT if num_losses == 0 else threshold
+
+    def _best_time(self, fn) -> float:
+        """Seconds per call: the best of `num_repeats` runs of enough calls to last about 2 ms (a
+        single 20 us call is too noisy to rank on a shared machine)."""
+        start = time.perf_counter()
+        fn()  # warm-up: first calls allocate and pick oneDNN kernels
+        num_calls = max(1, min(100, int(MIN_RUN_S / max(time.perf_counter() - start, 1e-6))))
+        best = float("inf")
+        for _ in range(self.num_repeats):
+            start = time.perf_counter()
+            for _ in range(num_calls):
+                fn()
+            best = min(best, (time.perf_counter() - start) / num_calls)
+        return best
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown cpu"
+
+
+def quantize_model(model: nn.Module, dtype: torch.dtype, native_bf16: bool,
+                   selector: Int8PathSelector | None = None) -> str:
+    """Quantizes every matmul weight (`LinearBase`) in `model` to per-channel int8, in place, and
+    frees its float weight; a checkpoint's own int8 (`checkpoint_int8`, from GGUF Q8_0) is used as
+    it is. A tied embedding then reads its rows from the LM head's int8 weight. Returns a summary."""
+    from services.worker.layers.embedding import LMHead, VocabEmbedding
+    from services.worker.layers.linear import LinearBase
+
+    selector = selector or Int8PathSelector()
+    embeddings = {id(m.weight): m for m in model.modules() if isinstance(m, VocabEmbedding)}
+    layers = [m for m in model.modules() if isinstance(m, LinearBase)]
+    num_from_checkpoint = num_tied = 0
+    float_bytes = int8_bytes = 0
+    for layer in layers:
+        float_bytes += layer.weight.numel() * layer.weight.element_size()
+        if layer.checkpoint_int8 is not None:
+            qweight, scales = layer.checkpoint_int8
+            num_from_checkpoint += 1
+        else:
+            qweight, scales = quantize_per_channel(layer.weight)
+        int8 = Int8Weight(qweight, scales, native_bf16=native_bf16)
+        int8.max_int8pack_rows = selector.max_int8pack_rows(int8, dtype)
+        int8.scales_in(dtype)
+        tied = embeddings.get(id(layer.weight)) if isinstance(layer, LMHead) and layer.is_tied else None
+        if tied is not None:
+            tied.use_int8(int8, dtype)
+            num_tied += 1
+        layer.use_int8(int8)
+        int8_bytes += int8.nbytes
+    return (f"{len(layers)} matmul weights int8 ({num_from_checkpoint} from the checkpoint's Q8_0), "
+            f"{float_bytes / 2**20:.0f} -> {int8_bytes / 2**20:.0f} MiB, {num_tied} tied embedding on int8 rows")
