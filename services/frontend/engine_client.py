@@ -119,8 +119,7 @@ class EngineClient:
                     output = await queue.get()
                     if output.finish_reason == FinishReason.ERROR:
                         if output.error_code == "draining":  # refused before it started
-                            connection.is_draining = True  # the refusal may come before the notice
-                            self._retire(connection, "the engine is draining")
+                            self._on_draining(connection)  # the refusal may come before the notice
                             break  # send it to the next engine
                         finished = True
                         raise EngineError(output.error_message or "engine error", output.error_code or "internal")
@@ -142,8 +141,7 @@ class EngineClient:
     async def abort(self, request_id: str) -> None:
         connection = self._connection_of.get(request_id)
         if connection is not None:
-            await connection.write(engine_core_pb2.ConnectRequest(
-                abort_requests=engine_core_pb2.AbortRequests(request_ids=[request_id])))
+            await _send_abort(connection, request_id)
 
     async def get_stats(self) -> tuple[SchedulerStats, bool]:
         stats, is_worker_alive, _ = await self._get_stats(self._active or self._latest)
@@ -180,8 +178,7 @@ class EngineClient:
 
     async def _abort_quietly(self, connection: EngineConnection, request_id: str) -> None:
         try:
-            await asyncio.shield(connection.write(engine_core_pb2.ConnectRequest(
-                abort_requests=engine_core_pb2.AbortRequests(request_ids=[request_id]))))
+            await asyncio.shield(_send_abort(connection, request_id))
         except (EngineError, asyncio.CancelledError):
             pass  # the scheduler is gone, or aborts the request itself when the stream closes
 
@@ -202,6 +199,10 @@ class EngineClient:
             self._set_active(None)
             self._replace.set()
             logger.info("scheduler %s: %s; opening a new connection", self.scheduler_addr, why)
+
+    def _on_draining(self, connection: EngineConnection) -> None:
+        connection.is_draining = True
+        self._retire(connection, "the engine is draining")
 
     def _new_connection(self) -> EngineConnection:
         connection = EngineConnection(self.scheduler_addr, self._auth, self._interceptors)
@@ -258,8 +259,7 @@ class EngineClient:
         try:
             async for response in connection.responses():
                 if response.draining:
-                    connection.is_draining = True
-                    self._retire(connection, "the engine is draining")
+                    self._on_draining(connection)
                     continue
                 self._dispatch(decoder.decode(response.outputs))
             why = "the scheduler closed the stream"
@@ -323,5 +323,9 @@ class EngineClient:
                 is_worker_alive, is_draining = False, False
             self._set_worker_alive(is_worker_alive)
             if is_draining and connection is self._active:  # the stream's notice, should a message be late
-                connection.is_draining = True
-                self._retire(connection, "the engine is draining")
+                self._on_draining(connection)
+
+
+async def _send_abort(connection: EngineConnection, request_id: str) -> None:
+    await connection.write(engine_core_pb2.ConnectRequest(
+        abort_requests=engine_core_pb2.AbortRequests(request_ids=[request_id])))

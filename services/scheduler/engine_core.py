@@ -46,7 +46,6 @@ class EngineCore:
         self.scheduler: Scheduler | None = None
         self.info: EngineInfo | None = None
         self.is_worker_alive = False
-        self.is_draining = False
         self._on_health_change = on_health_change or (lambda serving: None)
         self.kv_events = KVEventPublisher()
         self._pending_adds: list[Request] = []
@@ -95,9 +94,12 @@ class EngineCore:
         pending = len(self._pending_adds)
         return pending + (len(self.scheduler.requests) if self.scheduler is not None else 0)
 
+    @property
+    def is_draining(self) -> bool:
+        return self.router.is_draining  # one flag: the router tells frontends that connect later too
+
     def begin_drain(self) -> None:
         """Refuses new requests from now on (error_code "draining") and tells the frontends."""
-        self.is_draining = True
         self.router.announce_draining()
         self._on_health_change(False)
         self.wake()
