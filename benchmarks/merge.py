@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from benchmarks import report
-from benchmarks.run import median_of_repeats
+from benchmarks.repeats import median_of_repeats
 
 
 def _scenario_key(s: dict) -> tuple:

@@ -33,6 +33,8 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from benchmarks.single_stream import SINGLE_STREAM_MESSAGES, median_figures, single_stream_figures
+
 
 @dataclass(frozen=True)
 class Variant:
@@ -269,6 +271,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=PipelineSettings.max_num_batched_tokens)
     parser.add_argument("--probe", action=argparse.BooleanOptionalAction, default=True,
                         help="check whether max_num_seqs is in force (two small extra pipelines)")
+    parser.add_argument("--single-stream-repeats", type=int, default=3, help="single-stream runs (the median is kept)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     import openvino
@@ -298,8 +301,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"openvino-{variant.name} c={c}: {done / level['duration_s']:.1f} out tok/s, peak "
               f"{level['steps']['max_num_scheduled']} scheduled, {level['steps']['num_steps']} steps", flush=True)
     if workload.get("single_stream"):
-        single = loop.run([workload["single_stream"]], 1, args.time_limit_s)
-        result["single_stream"] = single_stream_figures(single["requests"][0])
+        repeats = [single_stream_figures(loop.run([workload["single_stream"]], 1, args.time_limit_s)["requests"][0])
+                   for _ in range(args.single_stream_repeats)]
+        result["single_stream"] = median_figures(repeats)
         print(f"openvino-{variant.name} single stream: {result['single_stream']}", flush=True)
     if args.probe:
         result["max_num_seqs_probe"] = probe_max_num_seqs(ir_dir, variant, workload["warm_up"])
@@ -307,16 +311,7 @@ def main(argv: list[str] | None = None) -> None:
     Path(args.out).write_text(json.dumps(result))
 
 
-def single_stream_figures(row: dict) -> dict:
-    """tok/s over the whole request, and decode tok/s after the first token."""
-    n, e2e, ttft = row["output_tokens"], row["e2e_s"], row["ttft_s"]
-    return {"num_tokens": n, "e2e_s": e2e, "ttft_ms": ttft * 1e3 if ttft is not None else None,
-            "tok_s": n / e2e if e2e else None,
-            "decode_tok_s": (n - 1) / (e2e - ttft) if e2e and ttft is not None and n > 1 and e2e > ttft else None}
-
-
 # --- the harness side (project venv) ------------------------------------------------------------
-SINGLE_STREAM_MESSAGES = [{"role": "user", "content": "Tell me a long story about a library."}]
 WARM_UP_MESSAGES = [{"role": "user", "content": "Say hello."}]
 
 

@@ -174,6 +174,10 @@ def render(result: dict) -> str:
         p = result["prefix_cache"]
         parts += ["", f"Prefix cache: {p['prefix_tokens']}-token shared prefix, {p['num_requests']} requests at c=1: "
                       f"TTFT median on {_fmt(p['on']['ttft_ms_median'])} ms, off {_fmt(p['off']['ttft_ms_median'])} ms"]
+    from benchmarks import cpu_goals  # it builds on this module's helpers
+
+    if cpu := cpu_goals.render(result):
+        parts += ["", cpu]
     load = result["machine"]
     reference = result.get("spindle_reference", "spindle")
     # Every Spindle configuration that served gets its own goal table (the reference one first).

@@ -18,26 +18,21 @@ import json
 import os
 import platform
 import signal
-import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-from benchmarks import openvino_peer, peers, report
+from benchmarks import machine_probe, report, single_stream
+from benchmarks.inprocess_peers import model_step_256, run_hf_generate, run_openvino
 from benchmarks.loadgen import run_scenario
-from benchmarks.servers import (LOG_DIR, RESULTS_DIR, ProcessServer, Server, SpindleServer, free_port,
-                               transformers_serve_dtype)
+from benchmarks.repeats import latency_lists, log, median_of_repeats
+from benchmarks.server_catalog import make_servers
+from benchmarks.servers import LOG_DIR, RESULTS_DIR, Server
 from benchmarks.workload import (ChatRequest, WorkloadSpec, build_workload, count_prompt_tokens,
                                 load_default_tokenizer)
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTLE_S = 3.0
-SUMMARY_KEYS_MEDIAN = ("request_throughput", "output_throughput", "duration_s", "total_output_tokens")
-
-
-def log(message: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
 def machine_info() -> dict:
@@ -57,120 +52,18 @@ def machine_info() -> dict:
             "has_avx512": "avx512f" in flags, "has_amx": "amx_tile" in flags, "python": platform.python_version(),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "git_commit": commit,
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "loadavg_before": list(os.getloadavg())}
-
-
-# --- servers ------------------------------------------------------------------------------------
-def model_folder() -> str:
-    from services.common.model_files import resolve_model
-
-    return str(resolve_model(None, None).path)
-
-
-def gguf_path() -> str:
-    from services.common.model_files import embedded_gguf_path
-
-    return str(embedded_gguf_path())
-
-
-def transformers_serve(dtype: str) -> Server:
-    """`dtype` auto: the faster of bfloat16 and float32 on this CPU (servers.transformers_serve_dtype)."""
-    is_auto, dtype = dtype == "auto", transformers_serve_dtype() if dtype == "auto" else dtype
-    path = model_folder()
-    command = [str(peers.venv_dir("transformers-serve") / "bin" / "transformers"), "serve", "--continuous-batching",
-               "--host", "127.0.0.1", "--port", str(port := free_port()), "--dtype", dtype, "--device", "cpu",
-               "--log-level", "warning", path]
-    # It refuses stream_options and ignores logit_bias under continuous batching, but takes a
-    # per-request generation config: an EOS id outside the vocabulary forces max_tokens tokens.
-    force = {"generation_config": json.dumps({"do_sample": False, "eos_token_id": 10**6}), "stream_options": None}
-    return ProcessServer("transformers-serve", command, port, path, force, forces_length=True,
-                         note=f"transformers {peers.installed_version('transformers-serve')}, {dtype}"
-                              + (" (auto: the faster dtype on this CPU)" if is_auto else ""))
-
-
-def llama_cpp_server() -> Server:
-    port = free_port()
-    command = [str(peers.venv_python("llama-cpp")), str(Path(__file__).parent / "llama_cpp_launcher.py"),
-               "--model", gguf_path(), "--port", str(port), "--n-ctx", "8192"]
-    return ProcessServer("llama-cpp", command, port, "SmolLM2-135M-Instruct",
-                         {"logit_bias": {"2": -100.0}, "stream_options": None}, forces_length=True,
-                         note=f"llama-cpp-python {peers.installed_version('llama-cpp')}, GGUF Q4_1 weights, "
-                              "one request at a time")
-
-
-def openvino_server(name: str, max_num_seqs: int) -> Server:
-    variant = openvino_peer.VARIANTS[name.removeprefix("openvino-")]
-    server = Server(name, note=f"OpenVINO GenAI {peers.installed_version('openvino').split()[0]}, {variant.description}, "
-                                f"in-process ContinuousBatchingPipeline, max_num_seqs {max_num_seqs}")
-    server.info = {"variant": variant.name, "max_num_seqs": max_num_seqs}
-    return server
-
-
-def make_servers(names: list[str], dtype: str, install: bool, bf16_max_concurrency: int = 8,
-                 hf_max_concurrency: int | None = None, transformers_dtype: str = "auto",
-                 openvino_max_num_seqs: int = 256) -> list[Server]:
-    servers: list[Server] = []
-    for name in names:
-        if name == "spindle":
-            servers.append(SpindleServer("spindle", env={"SPINDLE_DTYPE": dtype}, note=dtype))
-        elif name == "spindle-fake":  # the harness's own check: no model, tokens at once
-            servers.append(SpindleServer("spindle-fake", env={"SPINDLE_FAKE_MODEL": "true"}, note="fake model"))
-        elif name == "spindle-bf16":
-            from services.worker.config import cpu_has_native_bf16
-
-            matmuls = ("native bfloat16 matmuls" if cpu_has_native_bf16()
-                       else "batches multiply on a float32 copy of the weights: no bfloat16 arithmetic on this CPU")
-            server = SpindleServer("spindle-bf16", env={"SPINDLE_DTYPE": "bfloat16"},
-                                   note=f"bfloat16 weights and KV cache ({matmuls}); c<={bf16_max_concurrency} only")
-            server.max_concurrency = bf16_max_concurrency
-            servers.append(server)
-        elif name in ("transformers-serve", "llama-cpp", "openvino-bf16", "openvino-int8"):
-            peer = "openvino" if name.startswith("openvino-") else name
-            why = peers.install(peer, log=log) if install else (
-                "" if peers.is_installed(peer) else "not installed (python -m benchmarks.peers install " + peer + ")")
-            if why:
-                servers.append(Server(name, skip_reason=why))
-            elif peer == "openvino":
-                servers.append(openvino_server(name, openvino_max_num_seqs))
-            else:
-                servers.append(transformers_serve(transformers_dtype) if name == "transformers-serve"
-                               else llama_cpp_server())
-        elif name == "hf-generate":
-            limit = f"; c<={hf_max_concurrency} only" if hf_max_concurrency else ""
-            servers.append(Server("hf-generate", note=f"static batches (batch = c), {dtype}{limit}",
-                                  max_concurrency=hf_max_concurrency))
-        else:
-            raise SystemExit(f"unknown server {name!r}")
-    return servers
+            "loadavg_before": list(os.getloadavg()), "floors": machine_probe.probe()}
 
 
 # --- scenarios ----------------------------------------------------------------------------------
-def median_of_repeats(runs: list[dict]) -> dict:
-    """One scenario summary from repeats: throughputs and every latency percentile by median."""
-    summaries = [r["summary"] for r in runs]
-    merged = dict(summaries[len(summaries) // 2])
-    for key in SUMMARY_KEYS_MEDIAN:
-        merged[key] = statistics.median(s[key] for s in summaries)
-    for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
-        merged[key] = {p: (statistics.median(v) if (v := [s[key][p] for s in summaries if s[key][p] is not None])
-                           else None) for p in summaries[0][key]}
-    for key in ("num_complete", "num_failed", "num_cancelled", "num_planned"):
-        merged[key] = min(s[key] for s in summaries) if key == "num_complete" else max(s[key] for s in summaries)
-    merged["is_truncated"] = any(s["is_truncated"] for s in summaries)
-    if all(s.get("loadavg_1m") for s in summaries):  # the range over the repeats
-        merged["loadavg_1m"] = [min(s["loadavg_1m"][0] for s in summaries), max(s["loadavg_1m"][1] for s in summaries)]
-    merged["num_repeats"] = len(runs)
-    merged["repeats"] = summaries
-    return merged
-
-
 def warm_up_request(tokenizer) -> ChatRequest:
     """A short request sent before the measured ones (first-call costs, lazy loading): not measured."""
     messages = [{"role": "user", "content": "Say hello."}]
     return ChatRequest(-1, messages, 8, count_prompt_tokens(tokenizer, messages), False)
 
 
-def run_server(server: Server, requests, tokenizer, plan: list[dict], repeats: int, time_limit_s: float) -> dict:
+def run_server(server: Server, requests, tokenizer, plan: list[dict], repeats: int, time_limit_s: float,
+               single_stream_tokens: int = 0) -> dict:
     out = {"name": server.name, "note": server.note, "skip_reason": server.skip_reason, "scenarios": [],
            "latencies": {}}
     if server.skip_reason:
@@ -205,110 +98,13 @@ def run_server(server: Server, requests, tokenizer, plan: list[dict], repeats: i
             log(f"{server.name} {report.scenario_label(summary)}: {summary['output_throughput']:.1f} out tok/s, "
                 f"TTFT p50 {summary['ttft_ms']['p50'] or 0:.0f} ms, {summary['num_complete']}/"
                 f"{summary['num_planned']} complete{', cut by the time limit' if summary['is_truncated'] else ''}")
+        if single_stream_tokens and server.forces_length:
+            out["single_stream"] = single_stream.run_http(target, tokenizer, single_stream_tokens, repeats, time_limit_s)
+            log(f"{server.name} single stream: {out['single_stream']}")
     finally:
         server.stop()
     out["info"] = server.info
     return out
-
-
-def latency_lists(run: dict) -> dict[str, list[float]]:
-    """The last repeat's raw latencies in ms, for the CDF plots."""
-    requests = run["requests"]
-    return {
-        "ttft_ms": [r["ttft_s"] * 1e3 for r in requests if r["ttft_s"] is not None],
-        "e2e_ms": [r["e2e_s"] * 1e3 for r in requests if r["complete"]],
-        "itl_ms": [x * 1e3 for r in requests for x in r["itls_s"]],
-    }
-
-
-def run_hf_generate(server: Server, requests, plan: list[dict], repeats: int, time_limit_s: float,
-                    dtype: str) -> dict:
-    out = {"name": server.name, "note": server.note, "skip_reason": "", "scenarios": [], "latencies": {}}
-    levels = [p for p in plan if p.get("concurrency") and p["concurrency"] <= (server.max_concurrency or 10**9)]
-    RESULTS_DIR.mkdir(exist_ok=True)
-    workload_path = RESULTS_DIR / "workload.json"
-    workload_path.write_text(json.dumps([r.to_dict() for r in requests]))
-    runs_by_level: list[list[dict]] = [[] for _ in levels]
-    for repeat in range(repeats):
-        out_path = RESULTS_DIR / "hf_generate_raw.json"
-        command = [sys.executable, "-m", "benchmarks.hf_generate", "--workload", str(workload_path),
-                   "--batch-sizes", ",".join(str(p["concurrency"]) for p in levels),
-                   "--num-requests", ",".join(str(p["num_requests"]) for p in levels),
-                   "--offsets", ",".join(str(p["offset"] + repeat * p["num_requests"]) for p in levels),
-                   "--dtype", dtype, "--time-limit-s", str(time_limit_s), "--out", str(out_path)]
-        log(f"hf-generate: {' '.join(command[2:])}")
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-        if done.returncode != 0:
-            out["skip_reason"] = f"failed: {done.stderr.strip()[-300:]}"
-            return out
-        for i, run in enumerate(json.loads(out_path.read_text())["runs"]):
-            runs_by_level[i].append(run)
-    for runs in runs_by_level:
-        summary = median_of_repeats(runs)
-        out["scenarios"].append(summary)
-        out["latencies"][report.scenario_label(summary)] = latency_lists(runs[-1])
-        log(f"hf-generate {report.scenario_label(summary)}: {summary['output_throughput']:.1f} out tok/s")
-    return out
-
-
-def run_openvino(server: Server, requests, tokenizer, plan: list[dict], repeats: int, time_limit_s: float,
-                 single_stream_tokens: int) -> dict:
-    """The OpenVINO GenAI driver in the peer's venv: closed loop at each concurrency level, no rates."""
-    out = {"name": server.name, "note": server.note, "skip_reason": server.skip_reason, "scenarios": [],
-           "latencies": {}, "info": server.info}
-    if server.skip_reason:
-        log(f"{server.name}: skipped: {server.skip_reason}")
-        return out
-    RESULTS_DIR.mkdir(exist_ok=True)
-    LOG_DIR.mkdir(parents=True, exist_ok=True)
-    workload_path, out_path = RESULTS_DIR / "openvino_workload.json", RESULTS_DIR / f"{server.name}_raw.json"
-    workload_path.write_text(json.dumps(openvino_peer.driver_workload(requests, tokenizer, single_stream_tokens)))
-    out_path.unlink(missing_ok=True)
-    levels = openvino_peer.level_spec(plan, repeats)
-    command = [str(peers.venv_python("openvino")), "-m", "benchmarks.openvino_peer", "--model-dir", model_folder(),
-               "--variant", server.info["variant"], "--ir-root", str(peers.venv_dir("openvino") / "ir"),
-               "--workload", str(workload_path), "--levels", levels, "--time-limit-s", str(time_limit_s),
-               "--max-num-seqs", str(server.info["max_num_seqs"]), "--out", str(out_path)]
-    log(f"{server.name}: {' '.join(command[3:])}")
-    log_path = LOG_DIR / f"{server.name}.log"
-    with open(log_path, "ab") as driver_log:  # export (once), compile, then every level of every repeat
-        try:
-            returncode = subprocess.run(command, cwd=ROOT, stdout=driver_log, stderr=subprocess.STDOUT,
-                                        timeout=1800 + time_limit_s * (levels.count(",") + 3)).returncode
-        except subprocess.TimeoutExpired:
-            returncode = -1
-    if returncode != 0:
-        tail = " / ".join(log_path.read_text(errors="replace").strip().splitlines()[-3:])
-        out["skip_reason"] = f"driver failed ({returncode}): {tail[-300:]} (log: {log_path})"
-        log(f"{server.name}: {out['skip_reason']}")
-        return out
-    raw = json.loads(out_path.read_text())
-    for runs in openvino_peer.group_levels(raw, plan, repeats):
-        summary = median_of_repeats(runs)
-        out["scenarios"].append(summary)
-        out["latencies"][report.scenario_label(summary)] = latency_lists(runs[-1])
-        log(f"{server.name} {report.scenario_label(summary)}: {summary['output_throughput']:.1f} out tok/s, "
-            f"peak {summary['scheduler']['max_num_scheduled']} scheduled, {summary['num_complete']}/"
-            f"{summary['num_planned']} complete")
-    out["single_stream"] = raw.get("single_stream")
-    out["note"] += f", {raw['kv_cache_precision']} KV cache (the CPU plugin's default)"
-    out["info"] |= {k: raw.get(k) for k in ("openvino", "openvino_genai", "settings", "kv_cache_precision",
-                                             "export_s", "compile_s", "max_num_seqs_probe")} | {"log": str(log_path)}
-    return out
-
-
-def model_step_256(dtype: str) -> dict | None:
-    """The real model's decode step at 256 requests (1-token prompts: contexts of a few tokens, so
-    a lower bound on the step, which makes the overhead share an upper bound)."""
-    path = RESULTS_DIR / "step_bench_256.json"
-    command = [sys.executable, "-m", "benchmarks.step_bench", "--batch-sizes", "256", "--prompt-len", "1",
-               "--decode-steps", "2", "--repeats", "1", "--dtype", dtype, "--out", str(path)]
-    log("model step at 256 requests: " + " ".join(command[2:]))
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    if done.returncode != 0:
-        log(f"model step at 256 failed: {done.stderr.strip()[-300:]}")
-        return None
-    return json.loads(path.read_text())["rows"][0]
 
 
 # --- main ---------------------------------------------------------------------------------------
@@ -342,7 +138,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="dtype for transformers serve; auto: the faster one measured here (see servers.py)")
     parser.add_argument("--openvino-max-num-seqs", type=int, default=256, help="the OpenVINO scheduler's max_num_seqs")
     parser.add_argument("--single-stream-tokens", type=int, default=256,
-                        help="greedy tokens of the OpenVINO peers' single-stream row (0 to skip)")
+                        help="greedy tokens of the single-stream row, every server that forces lengths (0 to skip)")
     parser.add_argument("--bf16-max-concurrency", type=int, default=64, help="levels spindle-bf16 runs (no rates)")
     parser.add_argument("--hf-max-concurrency", type=int,
                         help="largest static batch for hf-generate (its prefill cannot be cut by the time limit)")
@@ -423,7 +219,8 @@ def main(argv: list[str] | None = None) -> dict:
             result["servers"].append(run_openvino(server, requests, tokenizer, plan, args.repeats, args.time_limit_s,
                                                   args.single_stream_tokens))
         else:
-            result["servers"].append(run_server(server, requests, tokenizer, plan, args.repeats, args.time_limit_s))
+            result["servers"].append(run_server(server, requests, tokenizer, plan, args.repeats, args.time_limit_s,
+                                                args.single_stream_tokens))
     if args.overhead_levels:
         from benchmarks import engine_overhead
 

@@ -33,7 +33,8 @@ from pathlib import Path
 import aiohttp
 
 from benchmarks.loadgen import RequestResult, Target, chat_body, send_chat, summarize
-from benchmarks.run import log, machine_info, warm_up_request
+from benchmarks.repeats import log
+from benchmarks.run import machine_info, warm_up_request
 from benchmarks.servers import LOG_DIR, RESULTS_DIR, SpindleServer
 from benchmarks.workload import ChatRequest, count_prompt_tokens, load_default_tokenizer
 

@@ -13,7 +13,7 @@ import pytest
 
 from benchmarks import report
 from benchmarks.loadgen import Target, run_scenario
-from benchmarks.run import median_of_repeats
+from benchmarks.repeats import median_of_repeats
 from benchmarks.workload import WorkloadSpec, build_workload, load_default_tokenizer
 from tests.e2e.cluster import SpindleCluster
 

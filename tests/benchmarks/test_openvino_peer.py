@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks import openvino_peer, peers, report
+from benchmarks import openvino_peer, peers, report, single_stream
 from benchmarks.openvino_peer import ClosedLoop
 
 
@@ -197,8 +197,19 @@ def test_driver_workload_sends_token_ids_of_the_chat_template():
 
 
 def test_single_stream_figures():
-    figures = openvino_peer.single_stream_figures({"output_tokens": 65, "e2e_s": 2.5, "ttft_s": 0.5})
+    figures = single_stream.single_stream_figures({"output_tokens": 65, "e2e_s": 2.5, "ttft_s": 0.5})
     assert figures == {"num_tokens": 65, "e2e_s": 2.5, "ttft_ms": 500.0, "tok_s": 26.0, "decode_tok_s": 32.0}
+
+
+def test_single_stream_keeps_the_median_repeat():
+    rows = [{"output_tokens": 64, "e2e_s": e2e, "ttft_s": 0.1} for e2e in (2.0, 1.0, 4.0)]
+    figures = single_stream.median_figures([single_stream.single_stream_figures(r) for r in rows])
+    assert figures["tok_s"] == 32.0 and figures["e2e_s"] == 2.0  # 64, 32 and 16 tok/s: the middle one
+    assert figures["repeats_tok_s"] == [32.0, 64.0, 16.0] and figures["num_repeats"] == 3
+    assert figures["decode_tok_s"] == 63 / 1.9
+    failed = single_stream.median_figures([{"num_tokens": 0, "e2e_s": None, "ttft_ms": None, "tok_s": None,
+                                            "decode_tok_s": None}])
+    assert failed["tok_s"] is None and failed["repeats_tok_s"] == []
 
 
 def test_report_shows_the_single_stream_and_the_scheduler_check():

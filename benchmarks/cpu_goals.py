@@ -1,0 +1,95 @@
+"""The CPU table of a harness result: every server's output tok/s at each concurrency level with
+its single-stream row, the machine's floors, and the goals against OpenVINO GenAI and transformers
+serve (same run, same requests, ratios)."""
+from __future__ import annotations
+
+from benchmarks.report import _fmt, _scenario, _status, table
+
+LEVELS = (1, 8, 32, 64)
+GOAL_SINGLE_STREAM = 1.0  # at least the peer's figure
+GOAL_FLOOR = 1.3  # a decode step within this of weight bytes / read bandwidth
+GOAL_BATCH = 1.5  # against OpenVINO GenAI's continuous-batching pipeline
+GOAL_TRANSFORMERS = 3.0
+GOAL_OVERHEAD_MS = 1.0
+
+
+def _single(result: dict, name: str) -> dict | None:
+    server = next((s for s in result["servers"] if s["name"] == name and not s.get("skip_reason")), None)
+    return server.get("single_stream") if server else None
+
+
+def matrix_rows(result: dict) -> list[list[str]]:
+    rows = []
+    for server in result["servers"]:
+        if server.get("skip_reason") or server["name"] == "spindle-fake":
+            continue
+        cells = [_fmt((s := _scenario(result, server["name"], c)) and s["output_throughput"], ".1f") for c in LEVELS]
+        single = server.get("single_stream") or {}
+        rows.append([server["name"], *cells, _fmt(single.get("tok_s"), ".1f"), _fmt(single.get("decode_tok_s"), ".1f")])
+    return rows
+
+
+MATRIX_HEADERS = ["server", *(f"c={c} out tok/s" for c in LEVELS), "single stream tok/s", "decode tok/s"]
+
+
+def _ratio_row(label: str, ours: float | None, theirs: float | None, goal: float, unit: str = "tok/s") -> list[str]:
+    ratio = ours / theirs if ours and theirs else None
+    measured = _fmt(ratio, ".2f", "n/a", "x") + (f" ({ours:.1f} vs {theirs:.1f} {unit})" if ratio else "")
+    return [label, measured, f">= {goal:g}x", _status(None if ratio is None else ratio >= goal)]
+
+
+def _throughput(result: dict, name: str, c: int) -> float | None:
+    s = _scenario(result, name, c)
+    return s["output_throughput"] if s else None
+
+
+def goal_rows(result: dict) -> list[list[str]]:
+    rows = []
+    floors = result["machine"].get("floors") or {}
+    weight_bytes = floors.get("model_weight_bytes") or {}
+    for ours, theirs, kind in (("spindle-bf16", "openvino-bf16", "bfloat16"), ("spindle-int8", "openvino-int8", "int8")):
+        mine, peer = _single(result, ours), _single(result, theirs)
+        rows.append(_ratio_row(f"1. single stream, {ours} vs {theirs}", mine and mine["tok_s"],
+                               peer and peer["tok_s"], GOAL_SINGLE_STREAM))
+        floor_ms = weight_bytes.get(kind) / (floors["read_gb_s"] * 1e9) * 1e3 \
+            if weight_bytes.get(kind) and floors.get("read_gb_s") else None
+        step_ms = 1e3 / mine["decode_tok_s"] if mine and mine.get("decode_tok_s") else None
+        over = step_ms / floor_ms if step_ms and floor_ms else None
+        rows.append([f"1. {ours} decode step against the floor (weight bytes / read bandwidth)",
+                     _fmt(over, ".2f", "n/a", "x") + (f" ({step_ms:.1f} vs {floor_ms:.1f} ms)" if over else ""),
+                     f"<= {GOAL_FLOOR:g}x", _status(None if over is None else over <= GOAL_FLOOR)])
+    for c in (32, 64):
+        for ours, theirs in (("spindle-bf16", "openvino-bf16"), ("spindle-int8", "openvino-int8")):
+            rows.append(_ratio_row(f"2. c={c}, {ours} vs {theirs}", _throughput(result, ours, c),
+                                   _throughput(result, theirs, c), GOAL_BATCH))
+    for c in (32, 64):
+        rows.append(_ratio_row(f"3. c={c}, spindle-bf16 vs transformers serve", _throughput(result, "spindle-bf16", c),
+                               _throughput(result, "transformers-serve", c), GOAL_TRANSFORMERS))
+    overhead = next((r for r in (result.get("engine_overhead") or {}).get("rows", []) if r["num_running"] == 256), None)
+    ms = overhead["step_ms"] if overhead else None
+    rows.append(["3. engine overhead per step, 256 running", _fmt(ms, ".2f", "n/a", " ms"),
+                 f"< {GOAL_OVERHEAD_MS:g} ms", _status(None if ms is None else ms < GOAL_OVERHEAD_MS)])
+    return rows
+
+
+def floors_line(result: dict) -> str:
+    floors = result["machine"].get("floors")
+    if not floors:
+        return ""
+    rows, k, n = floors["matmul_shape"]
+    gflops = ", ".join(f"{name} {value:.0f}" for name, value in floors["matmul_gflop_s"].items())
+    return (f"Machine: flags {' '.join(floors['cpu_flags']) or 'none of interest'}; read {floors['read_gb_s']:.1f} GB/s; "
+            f"matmul {rows}x{k}x{n} GFLOP/s: {gflops}")
+
+
+def render(result: dict) -> str:
+    if not any(s["name"].startswith("openvino-") or s["name"] in ("spindle-bf16", "spindle-int8")
+               for s in result["servers"]):
+        return ""
+    parts = ["CPU engines: output tok/s by concurrency (medians of the repeats), single stream", table(
+        MATRIX_HEADERS, matrix_rows(result))]
+    if line := floors_line(result):
+        parts.append(line)
+    parts += ["", "CPU goals (same run, same requests)", table(["goal", "measured", "target", "status"],
+                                                                goal_rows(result))]
+    return "\n".join(parts)

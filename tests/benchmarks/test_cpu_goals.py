@@ -1,0 +1,69 @@
+"""benchmarks.cpu_goals: the CPU table and its goals, from a result built here (no servers)."""
+from __future__ import annotations
+
+from benchmarks import cpu_goals, report
+from tests.benchmarks.test_merge import _scenario
+
+
+def _server(name: str, tok_s_by_level: dict[int, float], single_tok_s: float | None = None) -> dict:
+    server = {"name": name, "note": "", "latencies": {},
+              "scenarios": [_scenario(c, tok_s, 20.0) for c, tok_s in tok_s_by_level.items()]}
+    if single_tok_s is not None:
+        server["single_stream"] = {"num_tokens": 256, "e2e_s": 256 / single_tok_s, "ttft_ms": 50.0,
+                                   "tok_s": single_tok_s, "decode_tok_s": single_tok_s * 1.02}
+    return server
+
+
+def _result() -> dict:
+    floors = {"cpu_flags": ["avx2", "avx512f"], "read_gb_s": 20.0, "matmul_shape": [64, 576, 1536],
+              "matmul_gflop_s": {"bfloat16": 300.0, "float32": 100.0},
+              "model_weight_bytes": {"num_params": 100_000_000, "bfloat16": 200_000_000, "int8": 100_000_000}}
+    return {
+        "workload_note": "test", "spindle_reference": "spindle",
+        "machine": {"loadavg_before": [1.0], "loadavg_after": [1.0], "cpus": 2, "floors": floors},
+        "servers": [
+            _server("spindle-bf16", {1: 40.0, 32: 300.0, 64: 450.0}, single_tok_s=50.0),
+            _server("spindle-int8", {1: 50.0, 32: 250.0}, single_tok_s=70.0),
+            _server("openvino-bf16", {1: 45.0, 32: 200.0, 64: 320.0}, single_tok_s=49.0),
+            _server("openvino-int8", {1: 60.0, 32: 280.0, 64: 300.0}, single_tok_s=65.0),
+            _server("transformers-serve", {32: 90.0, 64: 160.0}),
+            {"name": "llama-cpp", "skip_reason": "not installed", "scenarios": []},
+        ],
+        "engine_overhead": {"rows": [{"num_running": 256, "steps_per_s": 1111.0, "step_ms": 0.9, "scheduling_ms": 0.2,
+                                      "serialization_ms": 0.2, "cpu_ms_per_step": {"frontend": 0.3}}]},
+    }
+
+
+def _goals(result: dict) -> dict[str, list[str]]:
+    return {row[0]: row[1:] for row in cpu_goals.goal_rows(result)}
+
+
+def test_each_goal_is_the_ratio_of_the_same_run():
+    goals = _goals(_result())
+    assert goals["1. single stream, spindle-bf16 vs openvino-bf16"] == [
+        "1.02x (50.0 vs 49.0 tok/s)", ">= 1x", "met"]
+    assert goals["1. single stream, spindle-int8 vs openvino-int8"][0].startswith("1.08x")
+    # floor: 200 MB at 20 GB/s is 10 ms; decoding at 51 tok/s is 19.6 ms a token
+    assert goals["1. spindle-bf16 decode step against the floor (weight bytes / read bandwidth)"] == [
+        "1.96x (19.6 vs 10.0 ms)", "<= 1.3x", "NOT met"]
+    assert goals["2. c=32, spindle-bf16 vs openvino-bf16"] == ["1.50x (300.0 vs 200.0 tok/s)", ">= 1.5x", "met"]
+    assert goals["2. c=64, spindle-bf16 vs openvino-bf16"][2] == "NOT met"  # 450 / 320 = 1.41
+    assert goals["2. c=64, spindle-int8 vs openvino-int8"] == ["n/a", ">= 1.5x", "n/a"]  # no c=64 row of ours
+    assert goals["3. c=64, spindle-bf16 vs transformers serve"] == ["2.81x (450.0 vs 160.0 tok/s)", ">= 3x", "NOT met"]
+    assert goals["3. engine overhead per step, 256 running"] == ["0.90 ms", "< 1 ms", "met"]
+
+
+def test_the_matrix_has_every_level_and_leaves_out_skipped_servers():
+    rows = {row[0]: row[1:] for row in cpu_goals.matrix_rows(_result())}
+    assert set(rows) == {"spindle-bf16", "spindle-int8", "openvino-bf16", "openvino-int8", "transformers-serve"}
+    assert rows["spindle-bf16"] == ["40.0", "-", "300.0", "450.0", "50.0", "51.0"]
+    assert rows["transformers-serve"][-2:] == ["-", "-"]
+
+
+def test_the_report_carries_the_cpu_table_only_when_cpu_engines_ran():
+    text = report.render(_result())
+    assert "CPU goals (same run, same requests)" in text
+    assert "Machine: flags avx2 avx512f; read 20.0 GB/s; matmul 64x576x1536 GFLOP/s: bfloat16 300, float32 100" in text
+    plain = _result()
+    plain["servers"] = [_server("spindle", {1: 40.0})]
+    assert cpu_goals.render(plain) == ""
