@@ -6,7 +6,8 @@ A step's batch splits in two groups, planned once per step:
   tensor; the G = H / H_kv query heads that share a KV head ride as G query rows, so GQA needs no
   repeated K/V. The CPU backend (cpu_backend.py) plugs in the compiled kernel instead.
 - prefills and chunks (several query tokens): one SDPA call each. A request with no earlier context
-  attends to its own fresh K/V with a causal mask and never reads the cache.
+  attends to its own fresh K/V with a causal mask and never reads the cache. A subclass may attend
+  them its own way (`attend_prefills`, with what it put in the metadata's `prefill`).
 """
 from __future__ import annotations
 
@@ -63,6 +64,7 @@ class TorchAttentionMetadata:
     decode: object  # what the backend's DecodeAttention built for this step; None without decodes
     # prefills, in batch order
     prefills: tuple[PrefillSlice, ...]
+    prefill: object = None  # what a subclass built for its own `attend_prefills`; None for SDPA
 
 
 class GatherDecode(DecodeAttention[TorchDecodeMetadata]):
@@ -142,9 +144,16 @@ class TorchAttentionBackend(AttentionBackend):
             decode_query = query[metadata.decode_token_indices]
             output[metadata.decode_token_indices] = self.decode.forward(decode_query, key_cache, value_cache,
                                                                         metadata.decode, scale)
+        if metadata.prefills:
+            self.attend_prefills(query, key, value, key_cache, value_cache, metadata, scale, output)
+        return output
+
+    def attend_prefills(self, query, key, value, key_cache, value_cache, metadata: TorchAttentionMetadata, scale,
+                        output: torch.Tensor) -> None:
+        """Writes the attention of the prefill slices' queries into their rows of `output` [T, H * D]:
+        one SDPA call each."""
         for p in metadata.prefills:
             output[p.query_start : p.query_end] = _prefill(query, key, value, key_cache, value_cache, p, scale)
-        return output
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, num_rows: int) -> torch.Tensor:

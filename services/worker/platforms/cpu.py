@@ -1,7 +1,8 @@
 """The CPU platform: PyTorch with the compiled C kernels of csrc/ where they load.
 
 With the kernels (`--attention-backend auto`, the default): decode attention on the paged-decode
-kernel for the cache dtypes and head sizes it supports (else PyTorch attention), and residual add
+kernel for the cache dtypes and head sizes it supports (else PyTorch attention), prefill attention
+on the paged-prefill kernel for bfloat16 on CPUs with AVX512_BF16 (else SDPA), and residual add
 + RMSNorm, float32 SiLU-and-mul and RoPE + KV cache write as single kernel calls. Without them
 (`--attention-backend torch`, or a library that did not build): PyTorch throughout. Weights are
 prepacked for oneDNN (float32, and bfloat16 where the CPU has bfloat16 arithmetic), or 16-bit
@@ -21,6 +22,7 @@ from services.common.model_files import default_cache_dir
 from services.worker.attention.backend import AttentionBackend
 from services.worker.attention.cpu_backend import CpuAttentionBackend
 from services.worker.attention.cpu_decode import PagedDecodeKernel
+from services.worker.attention.cpu_prefill import PagedPrefillKernel
 from services.worker.attention.torch_backend import TorchAttentionBackend
 from services.worker.config import RunnerConfig, WorkerConfig, cpu_has_native_bf16
 from services.worker.cpu_bitmask import CpuTokenBitmask
@@ -101,7 +103,8 @@ class CpuPlatform(Platform):
 def _backend_and_ops(kernels: ctypes.CDLL | None, dtype: torch.dtype,
                      heads: AttentionHeads) -> tuple[AttentionBackend, LayerOps]:
     """Decode tokens on the compiled kernel where it serves the cache dtype (the model's) and the
-    heads; the fused layer ops wherever the library loaded."""
+    heads, prefills likewise on theirs (bfloat16 on CPUs with AVX512_BF16); the fused layer ops
+    wherever the library loaded."""
     if kernels is None:
         return TorchAttentionBackend(), TorchLayerOps()
     layer_ops = CpuLayerOps(FusedOps(kernels))
@@ -109,4 +112,8 @@ def _backend_and_ops(kernels: ctypes.CDLL | None, dtype: torch.dtype,
     if not kernel.supports(dtype, heads.head_dim, heads.num_heads, heads.num_kv_heads):
         logger.info("no compiled decode kernel for %s, %s: PyTorch decode attention", dtype, heads)
         return TorchAttentionBackend(), layer_ops
-    return CpuAttentionBackend(kernel), layer_ops
+    prefill_kernel = PagedPrefillKernel(kernels)
+    if not prefill_kernel.supports(dtype, heads.head_dim, heads.num_heads, heads.num_kv_heads):
+        logger.info("no compiled prefill kernel for %s, %s: PyTorch SDPA for prefills", dtype, heads)
+        prefill_kernel = None
+    return CpuAttentionBackend(kernel, prefill_kernel), layer_ops
