@@ -4,8 +4,10 @@
         [--batch-sizes 1,8,32] [--max-tokens 64] [--out benchmarks/results/int8_model.json]
 
 Speed: decode steps of the worker (benchmarks.step_bench.run_batch, the real scheduler, 128-token
-prompts), each batch size run three times per model, bf16 and int8 alternating; the median of the
-three runs' median steps. Drift: the 8 parity prompts of
+prompts), each batch size run three times per model, the models alternating; the median of the
+three runs' median steps. The models: bf16 (`none`, its matmuls of up to 8 rows on the bf16
+GEMV), int8 (`int8`, up to 8 rows on the int8 GEMV) and int8 with `--cpu-gemv false`
+(`int8-no-gemv`: int8pack_mm or the widening GEMM, the int8 path before the GEMV). Drift: the 8 parity prompts of
 tests/e2e/test_default_model.py in the chat template, greedy for `--max-tokens` tokens with EOS
 ignored, bf16 and int8 each alone: how many keep identical tokens, where the first divergence is,
 and the largest |logprob difference| of the chosen token over each prompt's common prefix (up to
@@ -20,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.int8_linear_bench import CPU_FLAGS
 from benchmarks.step_bench import run_batch
 from services.common.messages import EngineCoreRequest, SamplingParams
 from services.common.model_files import resolve_model
@@ -31,9 +34,12 @@ from services.worker.worker import Worker
 from tests.e2e.test_default_model import PROMPTS
 
 
-def make_worker(quantization: str, dtype: str = "bfloat16") -> Worker:
+SPEED_MODELS = {"none": ("none", True), "int8": ("int8", True), "int8-no-gemv": ("int8", False)}
+
+
+def make_worker(quantization: str, dtype: str = "bfloat16", cpu_gemv: bool = True) -> Worker:
     worker = Worker(WorkerConfig(dtype=dtype, quantization=quantization, kv_cache_bytes=256 * 2**20,
-                                 max_model_len=2048))
+                                 max_model_len=2048, cpu_gemv=cpu_gemv))
     worker.load_model()
     worker.initialize_kv_cache(0)
     return worker
@@ -78,26 +84,29 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/int8_model.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    flags = sorted({f for f in Path("/proc/cpuinfo").read_text().split() if f in CPU_FLAGS})
+    print(f"CPU flags: {' '.join(flags)}; {args.threads} threads; torch {torch.__version__}")
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(None).path))
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                              tokenize=True, return_dict=False) for p in PROMPTS]
-    results: dict = {"threads": args.threads, "speed": {}, "outputs": {}}
-    workers = {quantization: make_worker(quantization) for quantization in ("none", "int8")}
-    for quantization, worker in workers.items():
-        results["outputs"][quantization] = [greedy(worker, p, args.max_tokens) for p in prompts]
+    results: dict = {"threads": args.threads, "cpu_flags": flags, "speed": {}, "outputs": {}}
+    workers = {name: make_worker(quantization, cpu_gemv=cpu_gemv)
+               for name, (quantization, cpu_gemv) in SPEED_MODELS.items()}
+    for name in ("none", "int8"):
+        results["outputs"][name] = [greedy(workers[name], p, args.max_tokens) for p in prompts]
     for bs in [int(b) for b in args.batch_sizes.split(",")]:
-        # bf16 and int8 runs alternate, so a slow minute of this shared VM hits both alike.
-        runs = {q: [] for q in workers}
+        # The models' runs alternate, so a slow minute of this shared VM hits all alike.
+        runs = {name: [] for name in workers}
         for _ in range(3):
-            for quantization, worker in workers.items():
-                runs[quantization].append(run_batch(worker, bs, 128, args.decode_steps))
-        for quantization, rows in runs.items():
+            for name, worker in workers.items():
+                runs[name].append(run_batch(worker, bs, 128, args.decode_steps))
+        for name, rows in runs.items():
             row = {k: statistics.median(r[k] for r in rows) for k in ("decode_step_ms", "decode_tok_s")}
             row["runs_tok_s"] = [r["decode_tok_s"] for r in rows]
-            results["speed"][f"{quantization}/{bs}"] = row
-            print(f"{quantization:5s} batch {bs:3d}: decode step {row['decode_step_ms']:7.2f} ms = "
+            results["speed"][f"{name}/{bs}"] = row
+            print(f"{name:12s} batch {bs:3d}: decode step {row['decode_step_ms']:7.2f} ms = "
                   f"{row['decode_tok_s']:7.1f} tok/s (runs {', '.join(f'{t:.1f}' for t in row['runs_tok_s'])})",
                   flush=True)
     del workers

@@ -52,7 +52,8 @@ class WorkerConfig:
     # CPU without native bf16: 16-bit weights also kept as float32 for batched matmuls (3x weight memory).
     cpu_float32_copy: bool = True
     # bfloat16 on a CPU: decode matmuls of up to 8 rows on the compiled GEMV, which reads the plain
-    # weight kept beside oneDNN's packed copy (on a CPU with native bf16, 2x the matmul weight memory).
+    # weight kept beside oneDNN's packed copy (on a CPU with native bf16, 2x the matmul weight memory);
+    # --quantization int8: up to 16 rows on the int8 GEMV, which reads the int8 weight itself.
     cpu_gemv: bool = True
     # none, or int8: weight-only int8 matmul weights with per-channel scales (CPU only; layers/int8_linear.py).
     quantization: str = "none"
@@ -145,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--cpu-gemv", type=bool, default=True,
              help="bfloat16 on a CPU: decode matmuls of up to 8 rows on the compiled GEMV kernel (batch-1 "
                   "decode about 1.25x faster; with native bf16 it keeps the plain weights beside the packed "
-                  "ones: 2x the matmul weight memory)")
+                  "ones: 2x the matmul weight memory); with --quantization int8, the int8 GEMV kernel for "
+                  "up to 16 rows (no extra memory)")
     add_flag(parser, "--quantization", default="none", choices=list(QUANTIZATIONS),
              help="int8: weight-only int8 matmul weights (the LM head too) with a scale per output channel, "
                   "activations in --dtype; half of bf16's weight memory; CPU only (GGUF Q8_0 weights read "

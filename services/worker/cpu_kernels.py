@@ -1,5 +1,5 @@
 """The compiled CPU kernels (csrc/*.c: paged decode and prefill attention, fused norm and
-activation, the grammar bitmask, the decode GEMV): build
+activation, the grammar bitmask, the decode GEMVs on bfloat16 and int8 weights): build
 and load one shared library.
 
 Built with the system C compiler (`-O3 -march=<SPINDLE_CPU_KERNEL_MARCH, default native>
@@ -26,7 +26,7 @@ from services.common.model_files import default_cache_dir
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
-SOURCES = ("paged_decode.c", "paged_prefill.c", "fused_ops.c", "token_bitmask.c", "gemv.c")
+SOURCES = ("paged_decode.c", "paged_prefill.c", "fused_ops.c", "token_bitmask.c", "gemv.c", "gemv_int8.c")
 HEADERS = ("vec.h",)
 BASE_CFLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 # CPU flags (as /proc/cpuinfo names them) a portable target needs; `native` is built on this CPU.

@@ -2,13 +2,15 @@
 with a float32 scale per output channel; activations stay in the model's dtype (float32 or
 bfloat16).
 
-`Int8Weight` multiplies by one of two kernels (int8_kernels.py), chosen per call by the row count:
-`aten._weight_int8pack_mm` up to `max_int8pack_rows` rows, the chunk-widening GEMM above. The
-threshold is measured once per weight shape on this machine (`Int8PathSelector`, stored in the
-cache dir so that restarts keep it and so their greedy output), not fixed, because the crossing
-moves with the CPU: on a 2-core AVX512_BF16 EPYC (no AMX) the
-int8 GEMM wins up to 2-4 rows and loses 2.5-4x at 32 rows to the widening path's oneDNN bf16 GEMM,
-which on an AMX CPU runs on AMX tiles and may cross sooner (docs/benchmarks.md, "Weight-only int8").
+`Int8Weight` multiplies on the compiled int8 GEMV (int8_gemv.py) up to `MAX_INT8_GEMV_ROWS` rows
+where the platform hands one over, and otherwise by one of two kernels (int8_kernels.py), chosen
+per call by the row count: `aten._weight_int8pack_mm` up to `max_int8pack_rows` rows, the
+chunk-widening GEMM above. That threshold is measured once per weight shape on this machine
+(`Int8PathSelector`, stored in the cache dir so that restarts keep it and so their greedy output),
+not fixed, because the crossing moves with the CPU: on a 2-core AVX512_BF16 EPYC (no AMX) the int8
+GEMM wins up to 2-4 rows and loses 2.5-4x at 32 rows to the widening path's oneDNN bf16 GEMM, which
+on an AMX CPU runs on AMX tiles and may cross sooner (docs/benchmarks.md, "Weight-only int8"). The
+GEMV's row limit is a constant, so it cannot move between restarts either.
 
 With tied embeddings the LM head's int8 weight also serves the embedding lookup: its rows are
 per-row quantized already (an output channel of the head is a token's row), so a lookup widens
@@ -26,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.worker.layers.int8_gemv import MAX_INT8_GEMV_ROWS, Int8Gemv
 from services.worker.layers.int8_kernels import (
     dequantize_chunks_linear,
     has_int8pack_mm,
@@ -41,8 +44,9 @@ MIN_RUN_S = 0.002  # each timed run of a kernel lasts about this long
 
 
 class Int8Weight:
-    """An int8 weight [out, in] with float32 per-channel scales, and the row count up to which it
-    multiplies on `aten._weight_int8pack_mm`."""
+    """An int8 weight [out, in] with float32 per-channel scales, the compiled GEMV it multiplies a
+    few rows on (`use_gemv`), and the row count up to which it multiplies on
+    `aten._weight_int8pack_mm`."""
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, *, native_bf16: bool,
                  max_int8pack_rows: int = 0):
@@ -54,6 +58,14 @@ class Int8Weight:
         self.native_bf16 = native_bf16
         self.max_int8pack_rows = max_int8pack_rows if supports_int8pack(self.qweight) else 0
         self._scales_by_dtype = {torch.float32: self.scales}
+        self.gemv: Int8Gemv | None = None
+
+    def use_gemv(self, gemv: Int8Gemv) -> bool:
+        """Multiplies x of up to MAX_INT8_GEMV_ROWS rows on `gemv` from now on, where it supports
+        this weight; returns whether it does."""
+        if gemv.supports_weight(self.qweight, self.scales):
+            self.gemv = gemv
+        return self.gemv is gemv
 
     @property
     def shape(self) -> torch.Size:
@@ -74,8 +86,11 @@ class Int8Weight:
         return self._scales_by_dtype[dtype]
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, use_int8pack: bool | None = None) -> torch.Tensor:
-        """x W^T (+ b) in x's dtype; `use_int8pack` None: by the row count."""
+        """x W^T (+ b) in x's dtype; `use_int8pack` None: by the row count (the GEMV first)."""
         if use_int8pack is None:
+            if (self.gemv is not None and x.shape[0] <= MAX_INT8_GEMV_ROWS and x.dim() == 2
+                    and x.dtype in Int8Gemv.DTYPES):
+                return self.gemv(x, self.qweight, self.scales, bias)
             use_int8pack = x.shape[0] <= self.max_int8pack_rows
         if use_int8pack:
             out = int8pack_linear(x, self.qweight, self.scales_in(x.dtype))
@@ -196,17 +211,18 @@ def _cpu_model() -> str:
 
 
 def quantize_model(model: nn.Module, dtype: torch.dtype, native_bf16: bool,
-                   selector: Int8PathSelector | None = None) -> str:
+                   selector: Int8PathSelector | None = None, gemv: Int8Gemv | None = None) -> str:
     """Quantizes every matmul weight (`LinearBase`) in `model` to per-channel int8, in place, and
     frees its float weight; a checkpoint's own int8 (`checkpoint_int8`, from GGUF Q8_0) is used as
-    it is. A tied embedding then reads its rows from the LM head's int8 weight. Returns a summary."""
+    it is. A tied embedding then reads its rows from the LM head's int8 weight. With `gemv`, the
+    weights it supports multiply a few rows on it. Returns a summary."""
     from services.worker.layers.embedding import LMHead, VocabEmbedding
     from services.worker.layers.linear import LinearBase
 
     selector = selector or Int8PathSelector()
     embeddings = {id(m.weight): m for m in model.modules() if isinstance(m, VocabEmbedding)}
     layers = [m for m in model.modules() if isinstance(m, LinearBase)]
-    num_from_checkpoint = num_tied = 0
+    num_from_checkpoint = num_tied = num_gemv = 0
     float_bytes = int8_bytes = 0
     for layer in layers:
         float_bytes += layer.weight.numel() * layer.weight.element_size()
@@ -218,11 +234,14 @@ def quantize_model(model: nn.Module, dtype: torch.dtype, native_bf16: bool,
         int8 = Int8Weight(qweight, scales, native_bf16=native_bf16)
         int8.max_int8pack_rows = selector.max_int8pack_rows(int8, dtype)
         int8.scales_in(dtype)
+        if gemv is not None:
+            num_gemv += int8.use_gemv(gemv)
         tied = embeddings.get(id(layer.weight)) if isinstance(layer, LMHead) and layer.is_tied else None
         if tied is not None:
             tied.use_int8(int8, dtype)
             num_tied += 1
         layer.use_int8(int8)
         int8_bytes += int8.nbytes
-    return (f"{len(layers)} matmul weights int8 ({num_from_checkpoint} from the checkpoint's Q8_0), "
-            f"{float_bytes / 2**20:.0f} -> {int8_bytes / 2**20:.0f} MiB, {num_tied} tied embedding on int8 rows")
+    summary = (f"{len(layers)} matmul weights int8 ({num_from_checkpoint} from the checkpoint's Q8_0), "
+               f"{float_bytes / 2**20:.0f} -> {int8_bytes / 2**20:.0f} MiB, {num_tied} tied embedding on int8 rows")
+    return summary + (f", {num_gemv} on the int8 GEMV up to {MAX_INT8_GEMV_ROWS} rows" if num_gemv else "")

@@ -7,7 +7,9 @@ on the paged-prefill kernel for bfloat16 on CPUs with AVX512_BF16 (else SDPA), a
 (`--attention-backend torch`, or a library that did not build): PyTorch throughout. Weights are
 prepacked for oneDNN (float32, and bfloat16 where the CPU has bfloat16 arithmetic), or 16-bit
 weights get a float32 copy for batches; with `--quantization int8` they are quantized to int8
-instead (layers/int8_linear.py). The KV cache gets the `--kv-cache-bytes` budget.
+instead (layers/int8_linear.py). Decode matmuls of a few rows take the compiled GEMVs where the
+kernels load (bfloat16: layers/gemv.py; int8: layers/int8_gemv.py), unless `--cpu-gemv false`.
+The KV cache gets the `--kv-cache-bytes` budget.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from services.worker.cpu_kernels import load_cpu_kernels
 from services.worker.kv_cache import KVCacheLayout
 from services.worker.layers.fused_ops import CpuLayerOps, FusedOps
 from services.worker.layers.gemv import Gemv, use_gemv
+from services.worker.layers.int8_gemv import Int8Gemv
 from services.worker.layers.int8_linear import Int8PathSelector, quantize_model
 from services.worker.layers.layer_ops import LayerOps, TorchLayerOps
 from services.worker.layers.linear import MAX_GEMV_ROWS, add_float32_copies, can_prepack, prepack_cpu_weights
@@ -52,12 +55,13 @@ class CpuPlatform(Platform):
                  float32_copy: bool, kv_cache_bytes: int = WorkerConfig.kv_cache_bytes,
                  native_bf16: bool | None = None, sampler: TorchSampler | None = None,
                  quantization: str = "none", gemv: Gemv | None = None,
-                 int8_selector: Int8PathSelector | None = None):
+                 int8_selector: Int8PathSelector | None = None, int8_gemv: Int8Gemv | None = None):
         """`float32_copy`: 16-bit weights also get a float32 packed copy for batches, unless the CPU
         multiplies bfloat16 natively. `kv_cache_bytes`: the KV cache budget (default: the flag's).
         `native_bf16`: None asks this CPU (`cpu_has_native_bf16`). `quantization`: none or int8,
         whose kernel thresholds `int8_selector` measures (or finds stored).
-        `gemv`: the compiled GEMV, which bfloat16 weights then keep their plain copy for."""
+        `gemv`: the compiled GEMV, which bfloat16 weights then keep their plain copy for.
+        `int8_gemv`: the compiled GEMV for int8 weights (a few rows, bfloat16 or float32 x)."""
         self.device = torch.device("cpu")
         self.dtype = dtype
         self.attention_backend = attention_backend
@@ -69,6 +73,7 @@ class CpuPlatform(Platform):
         self.quantization = quantization
         self.int8_selector = int8_selector or Int8PathSelector()
         self.gemv = gemv
+        self.int8_gemv = int8_gemv
 
     @classmethod
     def from_config(cls, config: WorkerConfig, dtype: torch.dtype, heads: AttentionHeads) -> CpuPlatform:
@@ -77,14 +82,15 @@ class CpuPlatform(Platform):
             kernels = load_cpu_kernels(Path(config.cache_dir) if config.cache_dir else None)
         backend, layer_ops = _backend_and_ops(kernels, dtype, heads)
         sampler = TorchSampler(CpuTokenBitmask(kernels)) if kernels is not None else TorchSampler()
-        gemv = Gemv(kernels) if kernels is not None and config.cpu_gemv else None
+        gemv_on = kernels is not None and config.cpu_gemv
         return cls(dtype, backend, layer_ops, kv_cache_bytes=config.kv_cache_bytes,
                    float32_copy=config.cpu_float32_copy, sampler=sampler, quantization=config.quantization,
-                   gemv=gemv, int8_selector=Int8PathSelector(cache_path=_cache_dir(config) / INT8_THRESHOLDS_FILE))
+                   gemv=Gemv(kernels) if gemv_on else None, int8_gemv=Int8Gemv(kernels) if gemv_on else None,
+                   int8_selector=Int8PathSelector(cache_path=_cache_dir(config) / INT8_THRESHOLDS_FILE))
 
     def process_weights_after_loading(self, model: nn.Module) -> str:
         if self.quantization == "int8":  # int8 weights are neither packed nor copied
-            return quantize_model(model, self.dtype, self.native_bf16, self.int8_selector)
+            return quantize_model(model, self.dtype, self.native_bf16, self.int8_selector, self.int8_gemv)
         num_packed = num_copied = num_gemv = 0
         if self.gemv is not None and self.dtype == torch.bfloat16:  # before packing: it keeps plain weights
             num_gemv = use_gemv(model, self.gemv)
