@@ -3,7 +3,7 @@ its single-stream row, the machine's floors, and the goals against OpenVINO GenA
 serve (same run, same requests, ratios)."""
 from __future__ import annotations
 
-from benchmarks.report import _fmt, _scenario, _status, table
+from benchmarks.report import MIN_PEER_TOKENS, _fmt, _scenario, _status, table
 
 LEVELS = (1, 8, 32, 64)
 GOAL_SINGLE_STREAM = 1.0  # at least the peer's figure
@@ -39,8 +39,9 @@ def _ratio_row(label: str, ours: float | None, theirs: float | None, goal: float
 
 
 def _throughput(result: dict, name: str, c: int) -> float | None:
+    """None also for a row with fewer than MIN_PEER_TOKENS tokens: a ratio against it means nothing."""
     s = _scenario(result, name, c)
-    return s["output_throughput"] if s else None
+    return s["output_throughput"] if s and s["total_output_tokens"] >= MIN_PEER_TOKENS else None
 
 
 def goal_rows(result: dict) -> list[list[str]]:

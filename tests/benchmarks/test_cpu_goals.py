@@ -53,6 +53,13 @@ def test_each_goal_is_the_ratio_of_the_same_run():
     assert goals["3. engine overhead per step, 256 running"] == ["0.90 ms", "< 1 ms", "met"]
 
 
+def test_a_peer_row_with_almost_no_tokens_gives_no_ratio():
+    result = _result()
+    stalled = next(s for s in result["servers"] if s["name"] == "transformers-serve")["scenarios"][-1]
+    stalled["output_throughput"], stalled["total_output_tokens"] = 0.3, 30  # c=64: 30 tokens in the limit
+    assert _goals(result)["3. c=64, spindle-bf16 vs transformers serve"] == ["n/a", ">= 3x", "n/a"]
+
+
 def test_the_matrix_has_every_level_and_leaves_out_skipped_servers():
     rows = {row[0]: row[1:] for row in cpu_goals.matrix_rows(_result())}
     assert set(rows) == {"spindle-bf16", "spindle-int8", "openvino-bf16", "openvino-int8", "transformers-serve"}

@@ -29,20 +29,6 @@
 /* Below this many elements a thread team costs more than it saves. */
 #define MIN_PARALLEL_ELEMENTS 32768
 
-static inline float bf16_to_f32(uint16_t x) {
-  const uint32_t bits = (uint32_t)x << 16;
-  float f;
-  memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-  uint32_t bits;
-  memcpy(&bits, &f, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN stays NaN */
-  return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
 #define LOAD_F32(p) (p)
 #define STORE_F32(x) (x)
 #define ROUND_F32(x) (x)

@@ -35,19 +35,6 @@
  * 331,776). */
 #define MIN_PARALLEL_WEIGHTS 65536
 
-static inline float bf16_scalar(uint16_t v) {
-  const uint32_t bits = (uint32_t)v << 16;
-  float f;
-  memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-static inline uint16_t to_bf16_scalar(float f) {
-  uint32_t bits;
-  memcpy(&bits, &f, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN stays NaN */
-  return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
 
 /* sums[m * ROW_BLOCK + j] = x[m] . w[j] for m < num_x, j < num_w; widened W, float32 FMAs.
  * Inlined into callers with constant num_x and num_w so the accumulators stay in registers. */
@@ -74,14 +61,14 @@ static inline uint16_t to_bf16_scalar(float f) {
       for (int j = 0; j < num_w; ++j) {                                                            \
         float s = hsum(acc[m][j]);                                                                 \
         for (int64_t t = k; t < k_size; ++t)                                                       \
-          s += X_SCALAR(x[m * k_size + t]) * bf16_scalar(w[j * k_size + t]);                       \
+          s += X_SCALAR(x[m * k_size + t]) * bf16_to_f32(w[j * k_size + t]);                       \
         sums[m * ROW_BLOCK + j] = s;                                                               \
       }                                                                                            \
   }
 
 #define IDENTITY_SCALAR(v) (v)
 DEFINE_WIDEN_DOT(dot_widen_f32, float, load_f32, IDENTITY_SCALAR)
-DEFINE_WIDEN_DOT(dot_widen_bf16, uint16_t, load_bf16, bf16_scalar)
+DEFINE_WIDEN_DOT(dot_widen_bf16, uint16_t, load_bf16, bf16_to_f32)
 
 #if defined(__AVX512BF16__)
 /* As above for bfloat16 x: 32 bfloat16 pairs per dot-product instruction, the tail masked. */
@@ -142,13 +129,13 @@ static inline __attribute__((always_inline)) void dot_bf16_pairs(const uint16_t 
     }                                                                                              \
     for (int64_t m = 0; m < num_x; ++m)                                                            \
       for (int64_t j = 0; j < num_w; ++j) {                                                        \
-        const float b = bias ? bf16_scalar(bias[n + j]) : 0.0f;                                    \
+        const float b = bias ? bf16_to_f32(bias[n + j]) : 0.0f;                                    \
         y[(m0 + m) * n_size + n + j] = STORE(sums[m * ROW_BLOCK + j] + b);                         \
       }                                                                                            \
   }
 
 DEFINE_BLOCK(block_f32, float, dot_widen_f32, WIDEN_GROUP, IDENTITY_SCALAR)
-DEFINE_BLOCK(block_bf16, uint16_t, BF16_DOT, BF16_GROUP, to_bf16_scalar)
+DEFINE_BLOCK(block_bf16, uint16_t, BF16_DOT, BF16_GROUP, f32_to_bf16)
 
 /* Threads split W's row blocks statically (contiguous shares); every thread covers all x rows. */
 #define DEFINE_GEMV(name, xtype, BLOCK, GROUP)                                                     \

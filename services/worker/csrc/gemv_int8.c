@@ -23,6 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vec.h"
+
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -69,19 +71,6 @@
 
 typedef float vf __attribute__((vector_size(4 * WIDEN_LANES)));
 
-static inline float bf16_scalar(uint16_t v) {
-  const uint32_t bits = (uint32_t)v << 16;
-  float f;
-  memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-static inline uint16_t to_bf16_scalar(float f) {
-  uint32_t bits;
-  memcpy(&bits, &f, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN stays NaN */
-  return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
 
 static inline vf load_vf(const float *p) {
   vf v;
@@ -324,9 +313,9 @@ static inline __attribute__((always_inline)) void dot_bf16_pairs(const uint16_t 
 
 DEFINE_BLOCK(block_f32, float, float, dot_widen, WIDEN_BLOCK_ROWS, IDENTITY_SCALAR, IDENTITY_SCALAR)
 #if HAS_BF16_DOT
-DEFINE_BLOCK(block_bf16, uint16_t, uint16_t, dot_bf16_pairs, PAIRS_BLOCK_ROWS, bf16_scalar, to_bf16_scalar)
+DEFINE_BLOCK(block_bf16, uint16_t, uint16_t, dot_bf16_pairs, PAIRS_BLOCK_ROWS, bf16_to_f32, f32_to_bf16)
 #else
-DEFINE_BLOCK(block_widened_bf16, float, uint16_t, dot_widen, WIDEN_BLOCK_ROWS, bf16_scalar, to_bf16_scalar)
+DEFINE_BLOCK(block_widened_bf16, float, uint16_t, dot_widen, WIDEN_BLOCK_ROWS, bf16_to_f32, f32_to_bf16)
 #endif
 
 /* Each pass of up to MAX_GROUP x rows splits Q's row blocks statically over the threads
@@ -370,7 +359,7 @@ int gemv_int8_bf16(const uint16_t *x, const int8_t *q, const float *scales, cons
 #else
   float *x32 = malloc((size_t)(m_size * k_size) * sizeof *x32);
   if (x32 == NULL) return -1;
-  for (int64_t i = 0; i < m_size * k_size; ++i) x32[i] = bf16_scalar(x[i]);
+  for (int64_t i = 0; i < m_size * k_size; ++i) x32[i] = bf16_to_f32(x[i]);
   RUN_PASSES(block_widened_bf16, WIDEN_BLOCK_ROWS, x32, k_size, q, scales, bias, y, m_size, n_size, k_size);
   free(x32);
 #endif

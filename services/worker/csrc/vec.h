@@ -63,6 +63,22 @@ static inline v8f exp_nonpositive(v8f x) {
 
 static inline void store_f32(float *p, v8f v) { memcpy(p, &v, sizeof v); }
 
+/* One bfloat16 value as float32, and a float32 rounded to bfloat16 bits (nearest even; NaN stays a
+ * NaN), for the scalar tails of the kernels. */
+static inline float bf16_to_f32(uint16_t x) {
+  const uint32_t bits = (uint32_t)x << 16;
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+  uint32_t bits;
+  memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN stays NaN */
+  return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
 /* float32 -> bfloat16 bits, rounded to nearest even (NaN stays a quiet NaN), as PyTorch rounds. */
 static inline v8u bf16_bits(v8f v) {
   v8u bits;
