@@ -13,6 +13,18 @@ GOAL_TRANSFORMERS = 3.0
 GOAL_OVERHEAD_MS = 1.0
 
 
+# Each Spindle variant against the OpenVINO row of its weights (the weight-bytes floor's kind);
+# OpenVINO's CPU plugin keeps an 8-bit (u8) KV cache in both of its rows.
+PAIRS = (("spindle-bf16", "openvino-bf16", "bfloat16"), ("spindle-bf16-kv8", "openvino-bf16", "bfloat16"),
+         ("spindle-int8", "openvino-int8", "int8"), ("spindle-int8-kv8", "openvino-int8", "int8"))
+
+
+def _pairs(result: dict) -> list[tuple[str, str, str]]:
+    """The PAIRS whose Spindle row ran (the bf16 and int8 ones always listed, as n/a if absent)."""
+    names = {s["name"] for s in result["servers"]}
+    return [p for p in PAIRS if p[0] in names or p[0] in ("spindle-bf16", "spindle-int8")]
+
+
 def _single(result: dict, name: str) -> dict | None:
     server = next((s for s in result["servers"] if s["name"] == name and not s.get("skip_reason")), None)
     return server.get("single_stream") if server else None
@@ -48,7 +60,7 @@ def goal_rows(result: dict) -> list[list[str]]:
     rows = []
     floors = result["machine"].get("floors") or {}
     weight_bytes = floors.get("model_weight_bytes") or {}
-    for ours, theirs, kind in (("spindle-bf16", "openvino-bf16", "bfloat16"), ("spindle-int8", "openvino-int8", "int8")):
+    for ours, theirs, kind in _pairs(result):
         mine, peer = _single(result, ours), _single(result, theirs)
         rows.append(_ratio_row(f"1. single stream, {ours} vs {theirs}", mine and mine["tok_s"],
                                peer and peer["tok_s"], GOAL_SINGLE_STREAM))
@@ -60,7 +72,7 @@ def goal_rows(result: dict) -> list[list[str]]:
                      _fmt(over, ".2f", "n/a", "x") + (f" ({step_ms:.1f} vs {floor_ms:.1f} ms)" if over else ""),
                      f"<= {GOAL_FLOOR:g}x", _status(None if over is None else over <= GOAL_FLOOR)])
     for c in (32, 64):
-        for ours, theirs in (("spindle-bf16", "openvino-bf16"), ("spindle-int8", "openvino-int8")):
+        for ours, theirs, _ in _pairs(result):
             rows.append(_ratio_row(f"2. c={c}, {ours} vs {theirs}", _throughput(result, ours, c),
                                    _throughput(result, theirs, c), GOAL_BATCH))
     for c in (32, 64):
@@ -84,8 +96,7 @@ def floors_line(result: dict) -> str:
 
 
 def render(result: dict) -> str:
-    if not any(s["name"].startswith("openvino-") or s["name"] in ("spindle-bf16", "spindle-int8")
-               for s in result["servers"]):
+    if not any(s["name"].startswith("openvino-") or s["name"] in {p[0] for p in PAIRS} for s in result["servers"]):
         return ""
     parts = ["CPU engines: output tok/s by concurrency (medians of the repeats), single stream", table(
         MATRIX_HEADERS, matrix_rows(result))]

@@ -2,7 +2,7 @@
 no gRPC, no HTTP, no frontend; a closed loop of `--concurrency` requests.
 
     .venv/bin/python -m benchmarks.inprocess_replay [--concurrency 32] [--num-requests 32]
-        [--dtype bfloat16] [--quantization none|int8] [--out F]
+        [--dtype bfloat16] [--quantization none|int8] [--kv-cache-dtype auto|int8] [--out F]
 
 What it separates: the worker's own step time (prefill steps, decode-only steps) from what serving
 over HTTP adds (compare `out tok/s` with the harness's row at the same level and requests). Prints
@@ -75,13 +75,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--quantization", default="none")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "inprocess_replay.json"))
     args = parser.parse_args(argv)
     tokenizer = load_default_tokenizer()
     requests = build_workload(WorkloadSpec(num_requests=args.num_requests, seed=args.seed), tokenizer)
     prompts = [(prompt_ids(tokenizer, r.messages), r.max_tokens) for r in requests]
-    worker = Worker(WorkerConfig(dtype=args.dtype, quantization=args.quantization, kv_cache_bytes=2 * 2**30))
+    worker = Worker(WorkerConfig(dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                                 kv_cache_bytes=2 * 2**30))
     worker.load_model()
     worker.initialize_kv_cache(0)
     summary = replay(worker, prompts, args.concurrency) | {"dtype": args.dtype, "quantization": args.quantization}

@@ -80,6 +80,16 @@ def make_servers(names: list[str], dtype: str, install: bool, bf16_max_concurren
                                         f"and KV cache; c<={bf16_max_concurrency} only")
             server.max_concurrency = bf16_max_concurrency
             servers.append(server)
+        elif name in ("spindle-bf16-kv8", "spindle-int8-kv8"):  # as OpenVINO's CPU plugin keeps its cache: 8-bit
+            weights = "weight-only int8 matmul weights, bfloat16 activations" if name == "spindle-int8-kv8" \
+                else "bfloat16 weights"
+            env = {"SPINDLE_DTYPE": "bfloat16", "SPINDLE_KV_CACHE_DTYPE": "int8"}
+            if name == "spindle-int8-kv8":
+                env["SPINDLE_QUANTIZATION"] = "int8"
+            server = SpindleServer(name, env=env, note=f"{weights}, int8 KV cache (a scale per token and KV head); "
+                                                       f"c<={bf16_max_concurrency} only")
+            server.max_concurrency = bf16_max_concurrency
+            servers.append(server)
         elif name in ("transformers-serve", "llama-cpp", "openvino-bf16", "openvino-int8"):
             peer = "openvino" if name.startswith("openvino-") else name
             why = peers.install(peer, log=log) if install else (

@@ -21,6 +21,9 @@ from services.common.telemetry import TelemetryConfig, add_telemetry_flags, tele
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 GiB = 2**30
 QUANTIZATIONS = ("none", "int8")
+# auto: the model's dtype; int8: 8-bit keys and values with a float32 scale per token and KV head
+# (attention/int8_kv_cache.py), half of bfloat16's cache bytes (CPU only).
+KV_CACHE_DTYPES = ("auto", "int8")
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ class WorkerConfig:
     cpu_gemv: bool = True
     # none, or int8: weight-only int8 matmul weights with per-channel scales (CPU only; layers/int8_linear.py).
     quantization: str = "none"
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     log_level: str = "INFO"
     shutdown_timeout: float = 30.0
     fake_model: bool = False  # no weights; each step returns a fixed token (engine-overhead benchmark)
@@ -89,6 +93,13 @@ class WorkerConfig:
             # Each rank would quantize its shard from float weights and the vocabulary-split head its
             # slice: untested, so refused rather than served.
             raise ValueError("--quantization int8 is not supported with --tensor-parallel-size > 1 yet")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: expected one of {KV_CACHE_DTYPES}")
+        if self.kv_cache_dtype != "auto" and self.tensor_parallel_size > 1:  # untested together: refused
+            raise ValueError("--kv-cache-dtype int8 is not supported with --tensor-parallel-size > 1 yet")
+        if self.kv_cache_dtype != "auto" and self.attention_backend == "torch":
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} needs the compiled CPU kernels: "
+                             "not with --attention-backend torch")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device {self.device!r}: expected auto, cpu or cuda")
         for name in ("kv_cache_bytes", "block_size", "max_num_batched_tokens", "max_num_seqs"):
@@ -152,6 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
              help="int8: weight-only int8 matmul weights (the LM head too) with a scale per output channel, "
                   "activations in --dtype; half of bf16's weight memory; CPU only (GGUF Q8_0 weights read "
                   "from the file)")
+    add_flag(parser, "--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+             help="auto: keys and values in --dtype; int8: 8-bit keys and values with a scale per token and "
+                  "KV head, half of bfloat16's cache bytes, so decode attention reads half as much (CPU only, "
+                  "with the compiled kernels)")
     add_flag(parser, "--fake-model", type=bool, default=False,
              help="load no weights; every step returns a fixed token at once (measures engine overhead)")
     add_flag(parser, "--fake-model-fault-token-id", type=int, default=-1,
@@ -199,6 +214,7 @@ def config_from_args(argv: list[str] | None = None) -> WorkerConfig:
         cpu_float32_copy=args.cpu_float32_copy,
         cpu_gemv=args.cpu_gemv,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         log_level=args.log_level,
         shutdown_timeout=args.shutdown_timeout,
         fake_model=args.fake_model,

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from services.worker.attention.backend import AttentionBackend
+from services.worker.attention.int8_kv_cache import int8_row_bytes
 
 
 @dataclass(frozen=True)
@@ -20,13 +21,21 @@ class KVCacheLayout:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the model's
+    kv_cache_dtype: str = "auto"  # auto: keys and values in `dtype`; int8: attention/int8_kv_cache.py
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return torch.int8 if self.kv_cache_dtype == "int8" else self.dtype
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes one block takes across all layers, keys and values."""
-        element_size = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element_size
+        """Bytes one block takes across all layers, keys and values (int8: with their scales)."""
+        if self.kv_cache_dtype == "int8":
+            row_bytes = int8_row_bytes(self.head_dim)
+        else:
+            row_bytes = self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * row_bytes
 
 
 def num_blocks_for_budget(layout: KVCacheLayout, kv_cache_bytes: int, max_model_len: int, max_num_seqs: int) -> int:
@@ -52,4 +61,4 @@ def allocate_kv_caches(
     """Zero-filled caches: padded block-table entries read block 0, which must hold finite values."""
     shape = backend.get_kv_cache_shape(num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
     with torch.inference_mode():
-        return [torch.zeros(shape, dtype=layout.dtype, device=device) for _ in range(layout.num_layers)]
+        return [torch.zeros(shape, dtype=layout.cache_dtype, device=device) for _ in range(layout.num_layers)]

@@ -88,10 +88,11 @@ class Worker:
             max_num_batched_tokens=self.config.max_num_batched_tokens,
         )
         attn = model.attention_layers()
-        layout = KVCacheLayout(len(attn), attn[0].num_kv_heads, attn[0].head_dim, self.config.block_size, self.dtype)
+        layout = KVCacheLayout(len(attn), attn[0].num_kv_heads, attn[0].head_dim, self.config.block_size, self.dtype,
+                               self.config.kv_cache_dtype)
         kv_cache_bytes = platform.kv_cache_bytes(model, layout, runner_config)
-        logger.info("sizing KV cache: %.0f MiB budget, %d bytes per block", kv_cache_bytes / 2**20,
-                    layout.bytes_per_block)
+        logger.info("sizing KV cache: %.0f MiB budget, %d bytes per block (%s)", kv_cache_bytes / 2**20,
+                    layout.bytes_per_block, _dtype_name(layout.cache_dtype))
         num_blocks = num_blocks_for_budget(
             layout, kv_cache_bytes, runner_config.max_model_len, runner_config.max_num_seqs
         )

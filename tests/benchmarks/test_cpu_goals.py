@@ -74,3 +74,12 @@ def test_the_report_carries_the_cpu_table_only_when_cpu_engines_ran():
     plain = _result()
     plain["servers"] = [_server("spindle", {1: 40.0})]
     assert cpu_goals.render(plain) == ""
+
+
+def test_an_int8_kv_cache_row_is_set_against_the_openvino_row_of_its_weights():
+    result = _result()
+    assert not any(k.startswith("2. c=32, spindle-bf16-kv8") for k in _goals(result))  # not run: not listed
+    result["servers"].append(_server("spindle-bf16-kv8", {32: 330.0}, single_tok_s=52.0))
+    goals = _goals(result)
+    assert goals["2. c=32, spindle-bf16-kv8 vs openvino-bf16"] == ["1.65x (330.0 vs 200.0 tok/s)", ">= 1.5x", "met"]
+    assert goals["1. single stream, spindle-bf16-kv8 vs openvino-bf16"][0].startswith("1.06x")

@@ -112,7 +112,7 @@ static inline v8f silu8(v8f g) {
 /* qkv [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]: q and k heads rotated in place by
  * cos/sin [num_tokens, head_dim / 2] in PyTorch's order (x1 * cos - x2 * sin and x2 * cos + x1 * sin,
  * each product and the sum rounded to the storage type), then k and v copied into key_cache and
- * value_cache [num_slots, num_kv_heads * head_dim] at slots[t]. */
+ * value_cache [num_slots, num_kv_heads * head_dim] at slots[t] (not when slots is NULL). */
 #define DEFINE_ROPE_CACHE(SUFFIX, T, LOAD, STORE, ROUND)                                         \
   EXACT_PRODUCTS_ATTR void rope_cache_##SUFFIX(                                                 \
       T *qkv, const T *cos, const T *sin, const int64_t *slots, T *key_cache, T *value_cache,    \
@@ -133,6 +133,7 @@ static inline v8f silu8(v8f g) {
           x[i + half] = STORE(ROUND(x2 * ci) + ROUND(x1 * si));                                  \
         }                                                                                        \
       }                                                                                          \
+      if (!slots) continue; /* rotation only: a cache of another dtype has a writer of its own */ \
       const T *k = row + num_heads * head_dim;                                                   \
       memcpy(key_cache + slots[t] * kv_width, k, sizeof(T) * kv_width);                          \
       memcpy(value_cache + slots[t] * kv_width, k + kv_width, sizeof(T) * kv_width);             \

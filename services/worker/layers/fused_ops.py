@@ -50,6 +50,14 @@ class FusedOps:
         self._silu_and_mul[x.dtype](x.data_ptr(), out.data_ptr(), num_tokens, width // 2)
         return out
 
+    def rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+             head_dim: int) -> None:
+        """In place: rotates the q and k heads of `qkv` as `rope_and_cache` does, writing no cache."""
+        if not (cos.is_contiguous() and sin.is_contiguous()):
+            raise ValueError("rope needs contiguous cos and sin")
+        self._rope_cache[qkv.dtype](qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), None, None, None, qkv.shape[0],
+                                    num_heads, num_kv_heads, head_dim)
+
     def rope_and_cache(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
                        kv_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         """In place: rotates the q and k heads of `qkv` [T, (H + 2 H_kv) D] by cos/sin [T, ..., D/2]
@@ -98,13 +106,17 @@ class CpuLayerOps(LayerOps):
 
     def rope_and_cache(self, qkv, cos, sin, kv_cache, attn_metadata: AttentionMetadata, backend: AttentionBackend,
                        num_heads, num_kv_heads, head_dim):
-        if not (self.fused.supports(qkv) and qkv.dtype == kv_cache.dtype == cos.dtype == sin.dtype):
+        if not (self.fused.supports(qkv) and qkv.dtype == cos.dtype == sin.dtype):
             return self.reference.rope_and_cache(qkv, cos, sin, kv_cache, attn_metadata, backend, num_heads,
                                                  num_kv_heads, head_dim)
-        # One kernel rotates q and k in place and writes k and v into the cache.
-        self.fused.rope_and_cache(qkv, cos, sin, attn_metadata.slot_mapping, kv_cache, num_heads, num_kv_heads,
-                                  head_dim)
         num_tokens, q_width, kv_width = qkv.shape[0], num_heads * head_dim, num_kv_heads * head_dim
-        return (qkv[:, :q_width].view(num_tokens, num_heads, head_dim),
-                qkv[:, q_width : q_width + kv_width].view(num_tokens, num_kv_heads, head_dim),
-                qkv[:, q_width + kv_width :].view(num_tokens, num_kv_heads, head_dim))
+        q = qkv[:, :q_width].view(num_tokens, num_heads, head_dim)
+        k = qkv[:, q_width : q_width + kv_width].view(num_tokens, num_kv_heads, head_dim)
+        v = qkv[:, q_width + kv_width :].view(num_tokens, num_kv_heads, head_dim)
+        if kv_cache.dtype != qkv.dtype:  # a cache of its own format (int8): its backend writes it
+            self.fused.rope(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
+            backend.write_kv(k, v, kv_cache, attn_metadata)
+        else:  # one kernel rotates q and k in place and writes k and v into the cache
+            self.fused.rope_and_cache(qkv, cos, sin, attn_metadata.slot_mapping, kv_cache, num_heads, num_kv_heads,
+                                      head_dim)
+        return q, k, v

@@ -9,7 +9,8 @@ prepacked for oneDNN (float32, and bfloat16 where the CPU has bfloat16 arithmeti
 weights get a float32 copy for batches; with `--quantization int8` they are quantized to int8
 instead (layers/int8_linear.py). Decode matmuls of a few rows take the compiled GEMVs where the
 kernels load (bfloat16: layers/gemv.py; int8: layers/int8_gemv.py), unless `--cpu-gemv false`.
-The KV cache gets the `--kv-cache-bytes` budget.
+The KV cache gets the `--kv-cache-bytes` budget; with `--kv-cache-dtype int8` it holds int8 keys
+and values with their scales (attention/cpu_int8_backend.py).
 """
 from __future__ import annotations
 
@@ -24,7 +25,10 @@ from services.common.model_files import default_cache_dir
 from services.worker.attention.backend import AttentionBackend
 from services.worker.attention.cpu_backend import CpuAttentionBackend
 from services.worker.attention.cpu_decode import PagedDecodeKernel
+from services.worker.attention.cpu_decode_int8 import PagedDecodeInt8Kernel
+from services.worker.attention.cpu_int8_backend import Int8CacheCpuBackend
 from services.worker.attention.cpu_prefill import PagedPrefillKernel
+from services.worker.attention.int8_kv_cache import Int8KVWriter
 from services.worker.attention.torch_backend import TorchAttentionBackend
 from services.worker.config import RunnerConfig, WorkerConfig, cpu_has_native_bf16
 from services.worker.cpu_bitmask import CpuTokenBitmask
@@ -80,7 +84,7 @@ class CpuPlatform(Platform):
         kernels = None
         if config.attention_backend != "torch":
             kernels = load_cpu_kernels(Path(config.cache_dir) if config.cache_dir else None)
-        backend, layer_ops = _backend_and_ops(kernels, dtype, heads)
+        backend, layer_ops = _backend_and_ops(kernels, dtype, heads, config.kv_cache_dtype)
         sampler = TorchSampler(CpuTokenBitmask(kernels)) if kernels is not None else TorchSampler()
         gemv_on = kernels is not None and config.cpu_gemv
         return cls(dtype, backend, layer_ops, kv_cache_bytes=config.kv_cache_bytes,
@@ -106,20 +110,30 @@ class CpuPlatform(Platform):
         return self.kv_cache_budget_bytes
 
 
-def _backend_and_ops(kernels: ctypes.CDLL | None, dtype: torch.dtype,
-                     heads: AttentionHeads) -> tuple[AttentionBackend, LayerOps]:
-    """Decode tokens on the compiled kernel where it serves the cache dtype (the model's) and the
-    heads, prefills likewise on theirs (bfloat16 on CPUs with AVX512_BF16); the fused layer ops
-    wherever the library loaded."""
+def _backend_and_ops(kernels: ctypes.CDLL | None, dtype: torch.dtype, heads: AttentionHeads,
+                     kv_cache_dtype: str = "auto") -> tuple[AttentionBackend, LayerOps]:
+    """Decode tokens on the compiled kernel where it serves the cache dtype (the model's, or int8)
+    and the heads, prefills likewise on theirs (bfloat16 on CPUs with AVX512_BF16); the fused layer
+    ops wherever the library loaded. An int8 cache without its kernels is refused."""
     if kernels is None:
+        if kv_cache_dtype == "int8":
+            raise ValueError("--kv-cache-dtype int8 needs the compiled CPU kernels, which did not build or load "
+                             "here (see the log above); use --kv-cache-dtype auto")
         return TorchAttentionBackend(), TorchLayerOps()
     layer_ops = CpuLayerOps(FusedOps(kernels))
-    kernel = PagedDecodeKernel(kernels)
-    if not kernel.supports(dtype, heads.head_dim, heads.num_heads, heads.num_kv_heads):
-        logger.info("no compiled decode kernel for %s, %s: PyTorch decode attention", dtype, heads)
-        return TorchAttentionBackend(), layer_ops
     prefill_kernel = PagedPrefillKernel(kernels)
     if not prefill_kernel.supports(dtype, heads.head_dim, heads.num_heads, heads.num_kv_heads):
         logger.info("no compiled prefill kernel for %s, %s: PyTorch SDPA for prefills", dtype, heads)
         prefill_kernel = None
+    if kv_cache_dtype == "int8":
+        int8_kernel = PagedDecodeInt8Kernel(kernels)
+        if not int8_kernel.supports(heads.head_dim, heads.num_heads, heads.num_kv_heads):
+            raise ValueError(f"--kv-cache-dtype int8: the int8 decode kernel does not serve {heads}; use "
+                             "--kv-cache-dtype auto")
+        return Int8CacheCpuBackend(int8_kernel, Int8KVWriter(kernels), heads.num_kv_heads, heads.head_dim,
+                                   prefill_kernel), layer_ops
+    kernel = PagedDecodeKernel(kernels)
+    if not kernel.supports(dtype, heads.head_dim, heads.num_heads, heads.num_kv_heads):
+        logger.info("no compiled decode kernel for %s, %s: PyTorch decode attention", dtype, heads)
+        return TorchAttentionBackend(), layer_ops
     return CpuAttentionBackend(kernel, prefill_kernel), layer_ops

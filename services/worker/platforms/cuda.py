@@ -43,6 +43,8 @@ class CudaPlatform(Platform):
                     heads: AttentionHeads) -> CudaPlatform:
         if config.quantization != "none":
             raise ValueError(f"--quantization {config.quantization} runs on a CPU only; use --device cpu")
+        if config.kv_cache_dtype != "auto":
+            raise ValueError(f"--kv-cache-dtype {config.kv_cache_dtype} runs on a CPU only; use --device cpu")
         utilization = config.gpu_memory_utilization
         if config.attention_backend == "torch":
             return cls(device, dtype, TorchAttentionBackend(), TorchSampler(), gpu_memory_utilization=utilization)

@@ -1,0 +1,101 @@
+"""The int8 KV cache (`--kv-cache-dtype int8`): its layout, the compiled writer, the PyTorch
+reference quantizer and the dequantization of blocks for prefill attention.
+
+One int8 tensor per layer, [2, num_blocks, block_bytes] (0 keys, 1 values). A block holds its
+tokens' data, int8 [block_size, num_kv_heads, head_dim], then their scales, float32
+[block_size, num_kv_heads]: each (token, KV head) row is quantized on its own, symmetrically,
+scale = max|x| / 127, so an outlier in one head or token costs precision nowhere else. Keeping a
+block's data contiguous keeps each head's row at head_dim bytes (one 64-byte line at head_dim 64)
+for the decode kernel. Block 0, the null block, is zeros with scale 0.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+SCALE_BYTES = 4  # one float32 per (token, KV head)
+MAX_HEAD_DIM = 256  # csrc/kv_int8.c
+_P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_WRITE_ARGTYPES = [_P, _I64, _P, _I64, _P, _I64, _I32, _I32, _I32, _I64, _I64, _P, _P]
+
+
+def int8_row_bytes(head_dim: int) -> int:
+    """Bytes one (token, KV head) row takes: its int8 values and its scale."""
+    return head_dim + SCALE_BYTES
+
+
+def int8_block_bytes(block_size: int, num_kv_heads: int, head_dim: int) -> int:
+    return block_size * num_kv_heads * int8_row_bytes(head_dim)
+
+
+def quantize_int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (int8 [..., D] in [-127, 127], float32 scales [...]), as csrc/kv_int8.c
+    computes them: in float32, q = round_half_even(x * (127 / amax)), scale = amax / 127."""
+    x = torch.nan_to_num(x.float(), nan=0.0)
+    amax = x.abs().amax(dim=-1)
+    # A tensor divided, not `127.0 / amax`: PyTorch computes a scalar over a tensor as a reciprocal
+    # times the scalar, rounded twice, which moves values near .5 to the other integer.
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / torch.where(amax > 0, amax, 1.0), 0.0)
+    q = torch.round(x * inv[..., None]).clamp_(-127, 127).to(torch.int8)
+    return q, amax / 127.0
+
+
+def split_int8_cache(cache: torch.Tensor, block_size: int, num_kv_heads: int,
+                     head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One half of a layer's cache, [num_blocks, block_bytes] int8, as views: data
+    [num_blocks, block_size, H_kv, D] int8 and scales [num_blocks, block_size, H_kv] float32."""
+    num_blocks, block_bytes = cache.shape
+    data_bytes = block_size * num_kv_heads * head_dim
+    if block_bytes != int8_block_bytes(block_size, num_kv_heads, head_dim):
+        raise ValueError(f"an int8 cache block of {block_bytes} bytes does not hold {block_size} tokens of "
+                         f"{num_kv_heads} KV heads of {head_dim}")
+    data = cache[:, :data_bytes].view(num_blocks, block_size, num_kv_heads, head_dim)
+    scales = cache[:, data_bytes:].view(torch.float32).view(num_blocks, block_size, num_kv_heads)
+    return data, scales
+
+
+def dequantize_blocks(cache: torch.Tensor, block_ids: torch.Tensor, block_size: int, num_kv_heads: int,
+                      head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """Blocks `block_ids` of one half of a layer's cache as [len(block_ids), block_size, H_kv, D] in
+    `dtype`, contiguous: a dense cache the prefill kernels read through remapped block tables."""
+    data, scales = split_int8_cache(cache.index_select(0, block_ids), block_size, num_kv_heads, head_dim)
+    return (data.to(torch.float32) * scales[..., None]).to(dtype)
+
+
+class Int8KVWriter:
+    """The compiled writer (csrc/kv_int8.c) of a step's keys and values into the int8 cache."""
+
+    def __init__(self, library: ctypes.CDLL):
+        self._functions = {}
+        for dtype, name in ((torch.float32, "write_kv_int8_f32"), (torch.bfloat16, "write_kv_int8_bf16")):
+            function = getattr(library, name)
+            function.argtypes, function.restype = _WRITE_ARGTYPES, ctypes.c_int
+            self._functions[dtype] = function
+
+    def __call__(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 block_size: int) -> None:
+        """key, value [T, H_kv, D] (float32 or bfloat16, heads contiguous, any token stride) into
+        `kv_cache` [2, num_blocks, block_bytes] at `slot_mapping` [T] int64 (-1 skips a token)."""
+        num_tokens, num_kv_heads, head_dim = key.shape
+        if key.dtype not in self._functions or value.dtype != key.dtype or value.shape != key.shape:
+            raise ValueError(f"int8 KV writer takes float32 or bfloat16 key and value of one shape, not "
+                             f"{key.dtype} {tuple(key.shape)} and {value.dtype} {tuple(value.shape)}")
+        if not 0 < head_dim <= MAX_HEAD_DIM:
+            raise ValueError(f"int8 KV cache: head_dim {head_dim} is not in 1..{MAX_HEAD_DIM}")
+        for name, x in (("key", key), ("value", value)):
+            if x.stride(2) != 1 or x.stride(1) != head_dim:
+                raise ValueError(f"{name} heads must be contiguous rows of {head_dim}, strides are {x.stride()}")
+        if (kv_cache.dtype != torch.int8 or kv_cache.dim() != 3 or not kv_cache.is_contiguous()
+                or kv_cache.shape[2] != int8_block_bytes(block_size, num_kv_heads, head_dim)):
+            raise ValueError(f"not an int8 cache of {block_size}-token blocks for {num_kv_heads} KV heads of "
+                             f"{head_dim}: {kv_cache.dtype} {tuple(kv_cache.shape)}")
+        if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (num_tokens,) or not slot_mapping.is_contiguous():
+            raise ValueError(f"slot mapping must be a contiguous int64 [{num_tokens}] tensor")
+        block_bytes = kv_cache.shape[2]
+        value_cache_ptr = kv_cache.data_ptr() + kv_cache.stride(0)  # kv_cache[1]: int8, one byte an element
+        status = self._functions[key.dtype](
+            key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), slot_mapping.data_ptr(), num_tokens,
+            num_kv_heads, head_dim, block_size, block_bytes, kv_cache.shape[1], kv_cache.data_ptr(), value_cache_ptr)
+        if status:
+            raise ValueError(f"int8 KV writer: a slot is past the cache's {kv_cache.shape[1] * block_size} slots")

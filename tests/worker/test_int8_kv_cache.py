@@ -1,0 +1,179 @@
+"""The int8 KV cache (`--kv-cache-dtype int8`): the compiled writer against the PyTorch quantizer
+(bit for bit, into the documented layout), the backend's mixed steps against the float64 reference
+over the dequantized history, the platform's choice and refusals, and sizing."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.worker.attention.cpu_decode_int8 import PagedDecodeInt8Kernel
+from services.worker.attention.cpu_int8_backend import Int8CacheCpuBackend
+from services.worker.attention.cpu_prefill import PagedPrefillKernel
+from services.worker.attention.int8_kv_cache import (
+    Int8KVWriter,
+    dequantize_blocks,
+    int8_block_bytes,
+    quantize_int8_rows,
+    split_int8_cache,
+)
+from services.worker.config import WorkerConfig, config_from_args
+from services.worker.cpu_kernels import MARCH_FEATURES, _cpu_flags, load_cpu_kernels
+from services.worker.kv_cache import KVCacheLayout, allocate_kv_caches
+from services.worker.platforms import AttentionHeads, build_platform
+from services.worker.platforms.cuda import CudaPlatform
+from tests.kernels.paged_batch import DEFAULT_REQUESTS, TOLERANCES, make_batch
+from tests.oracles import DenseRequest, check_attention
+
+MARCHES = ["native", "x86-64-v3"]
+
+
+@pytest.fixture(scope="module", params=MARCHES)
+def library(request, tmp_path_factory):
+    if request.param != "native":
+        missing = MARCH_FEATURES[request.param] - _cpu_flags()
+        if missing:
+            pytest.skip(f"this CPU lacks {sorted(missing)} for the {request.param} build")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPINDLE_CPU_KERNEL_MARCH", request.param)
+        library = load_cpu_kernels(tmp_path_factory.mktemp(f"kernels-{request.param}"))
+    assert library is not None, "the CPU kernels must build here (gcc is on every CI machine)"
+    return library
+
+
+def _empty_cache(num_blocks, block_size, num_kv_heads, head_dim) -> torch.Tensor:
+    return torch.zeros(Int8CacheCpuBackend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim),
+                       dtype=torch.int8)
+
+
+def test_quantizer_rounds_half_to_even_clamps_and_gives_zero_rows_scale_zero():
+    x = torch.tensor([[[127.0, 0.5, 1.5, -2.5, -127.0, 63.5, 0.0, -0.4]], [[0.0] * 8]])
+    q, scale = quantize_int8_rows(x)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32
+    assert q[0, 0].tolist() == [127, 0, 2, -2, -127, 64, 0, 0]  # amax 127: scale 1, ties to even
+    assert scale[0, 0].item() == 1.0
+    assert q[1, 0].tolist() == [0] * 8 and scale[1, 0].item() == 0.0
+    rows = torch.randn(50, 3, 64) * torch.logspace(-3, 3, 50)[:, None, None]
+    q, scale = quantize_int8_rows(rows)
+    assert int(q.abs().amax(dim=-1).min()) == 127  # each row's largest value takes the full range
+    assert int(q.min()) >= -127
+    error = (q.float() * scale[..., None] - rows).abs()
+    assert bool((error <= scale[..., None] / 2 * (1 + 1e-5)).all())  # within half a step of each row
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_writer_puts_the_quantizers_bits_at_each_slot_of_the_layout(library, dtype, block_size):
+    num_tokens, num_heads, num_kv_heads, head_dim, num_blocks = 37, 6, 3, 64, 12
+    gen = torch.Generator().manual_seed(block_size)
+    # k and v as strided views of one fused projection, as the model hands them over.
+    qkv = (torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen) * 3).to(dtype)
+    k = qkv[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(num_tokens, num_kv_heads, head_dim)
+    slots = torch.randperm((num_blocks - 1) * block_size, generator=gen)[:num_tokens] + block_size
+    slots[5] = -1  # skipped
+    cache = _empty_cache(num_blocks, block_size, num_kv_heads, head_dim)
+    Int8KVWriter(library)(k, v, cache, slots, block_size)
+    for half, x in ((0, k), (1, v)):
+        data, scales = split_int8_cache(cache[half], block_size, num_kv_heads, head_dim)
+        q, scale = quantize_int8_rows(x)
+        written = [t for t in range(num_tokens) if t != 5]
+        blocks, offsets = slots[written] // block_size, slots[written] % block_size
+        assert torch.equal(data[blocks, offsets], q[written])
+        assert torch.equal(scales[blocks, offsets], scale[written])
+        untouched = torch.ones(num_blocks, block_size, dtype=torch.bool)
+        untouched[blocks, offsets] = False
+        assert int(data[untouched].abs().sum()) == 0 and float(scales[untouched].abs().sum()) == 0.0
+        dense = dequantize_blocks(cache[half], blocks.unique(), block_size, num_kv_heads, head_dim, torch.float32)
+        assert dense.shape == (blocks.unique().numel(), block_size, num_kv_heads, head_dim)
+        assert torch.equal(dense, data[blocks.unique()].float() * scales[blocks.unique()][..., None])
+
+
+def test_writer_refuses_a_slot_past_the_cache_before_writing_anything(library):
+    cache = _empty_cache(4, 16, 3, 64)
+    k = torch.randn(2, 3, 64)
+    with pytest.raises(ValueError, match="past the cache"):
+        Int8KVWriter(library)(k, k, cache, torch.tensor([3, 64]), 16)
+    assert int(cache.abs().sum()) == 0
+    with pytest.raises(ValueError, match="int8 cache"):
+        Int8KVWriter(library)(k, k, _empty_cache(4, 8, 3, 64), torch.tensor([3, 4]), 16)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        Int8KVWriter(library)(k.half(), k.half(), cache, torch.tensor([3, 4]), 16)
+
+
+def _int8_batch(library, dtype, block_size, seed, num_heads=9, num_kv_heads=3, head_dim=64,
+                requests=DEFAULT_REQUESTS):
+    """make_batch's step over an int8 cache holding its quantized history, with the reference
+    histories replaced by what the cache holds: the dequantized keys and values."""
+    batch = make_batch(num_heads, num_kv_heads, head_dim, dtype, block_size=block_size, requests=requests, seed=seed)
+    num_blocks = batch.kv_cache.shape[1]
+    cache = _empty_cache(num_blocks, block_size, num_kv_heads, head_dim)
+    writer = Int8KVWriter(library)
+    dense = []
+    for r, blocks in zip(batch.dense, batch.tables):
+        slots = torch.tensor([blocks[p // block_size] * block_size + p % block_size for p in range(r.context_len)],
+                             dtype=torch.int64)
+        if r.context_len:
+            writer(r.keys[: r.context_len].contiguous(), r.values[: r.context_len].contiguous(), cache, slots, block_size)
+        (qk, sk), (qv, sv) = quantize_int8_rows(r.keys), quantize_int8_rows(r.values)
+        dense.append(DenseRequest(qk.float() * sk[..., None], qv.float() * sv[..., None], r.query_len))
+    return batch, cache, dense
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_a_mixed_step_attends_over_the_dequantized_history(library, dtype, block_size):
+    """Prefills, chunks and decodes in one step: written, then attended (decode kernel for the
+    decodes, the prefill kernel or SDPA over the dequantized blocks for the rest)."""
+    batch, cache, dense = _int8_batch(library, dtype, block_size, seed=block_size)
+    prefill_kernel = PagedPrefillKernel(library)
+    for kernel in (prefill_kernel if prefill_kernel.is_available else None, None):
+        backend = Int8CacheCpuBackend(PagedDecodeInt8Kernel(library), Int8KVWriter(library), 3, 64, kernel)
+        out = backend.forward(batch.query, batch.key, batch.value, cache.clone(),
+                              backend.build_metadata(batch.common), 0.125)
+        assert out.dtype == dtype and out.shape == (batch.query.shape[0], 9 * 64)
+        # The decode kernel's VDPBF16PS pass rounds a float32 query and the weights to bfloat16 too,
+        # an error of the int8 rows' own size (their step is 1/254 of each row's range).
+        tol = TOLERANCES[torch.bfloat16] if backend.decode.kernel.has_bf16_dot else TOLERANCES[dtype]
+        check_attention(out, batch.query, dense, 0.125, tol)
+
+
+def test_layout_sizes_and_allocation_follow_the_int8_rows():
+    layout = KVCacheLayout(30, 3, 64, 16, torch.bfloat16, "int8")
+    assert layout.cache_dtype == torch.int8
+    assert layout.bytes_per_block == 2 * 30 * 16 * 3 * (64 + 4)  # against bf16's 2 * 30 * 16 * 3 * 128
+    assert KVCacheLayout(30, 3, 64, 16, torch.bfloat16).bytes_per_block == 2 * 30 * 16 * 3 * 128
+    backend = Int8CacheCpuBackend.__new__(Int8CacheCpuBackend)
+    caches = allocate_kv_caches(KVCacheLayout(2, 3, 64, 16, torch.float32, "int8"), 5, backend, torch.device("cpu"))
+    assert [tuple(c.shape) for c in caches] == [(2, 5, int8_block_bytes(16, 3, 64))] * 2
+    assert all(c.dtype == torch.int8 and int(c.abs().sum()) == 0 for c in caches)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_platform_builds_the_int8_backend_and_refuses_what_it_cannot_serve(dtype, tmp_path, monkeypatch):
+    heads = AttentionHeads(num_heads=9, num_kv_heads=3, head_dim=64)
+    config = WorkerConfig(kv_cache_dtype="int8", cache_dir=str(tmp_path))
+    platform = build_platform(config, torch.device("cpu"), dtype, heads)
+    assert isinstance(platform.attention_backend, Int8CacheCpuBackend)
+    with pytest.raises(ValueError, match="does not serve"):
+        build_platform(config, torch.device("cpu"), dtype, AttentionHeads(num_heads=9, num_kv_heads=3, head_dim=300))
+    monkeypatch.setattr("services.worker.platforms.cpu.load_cpu_kernels", lambda cache_dir: None)
+    with pytest.raises(ValueError, match="compiled CPU kernels"):
+        build_platform(config, torch.device("cpu"), dtype, heads)
+
+
+def test_the_flag_its_variable_and_what_the_config_and_the_gpu_refuse(monkeypatch):
+    assert WorkerConfig().kv_cache_dtype == "auto" and config_from_args([]).kv_cache_dtype == "auto"
+    assert config_from_args(["--kv-cache-dtype", "int8"]).kv_cache_dtype == "int8"
+    monkeypatch.setenv("SPINDLE_KV_CACHE_DTYPE", "int8")
+    assert config_from_args([]).kv_cache_dtype == "int8"
+    with pytest.raises(SystemExit):
+        config_from_args(["--kv-cache-dtype", "fp8"])
+    with pytest.raises(ValueError, match="--kv-cache-dtype 'fp8'"):
+        WorkerConfig(kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="--attention-backend torch"):
+        WorkerConfig(kv_cache_dtype="int8", attention_backend="torch")
+    with pytest.raises(ValueError, match="tensor-parallel-size"):
+        WorkerConfig(kv_cache_dtype="int8", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="CPU only"):
+        CudaPlatform.from_config(WorkerConfig(kv_cache_dtype="int8"), torch.device("cuda"), torch.bfloat16,
+                                 AttentionHeads(4, 2, 16))

@@ -1,0 +1,91 @@
+"""A whole model over the int8 KV cache: a tiny random Llama with head_dim 64 (so the int8 decode
+kernel's fast path and, in bfloat16, the prefill kernel run) served through the runner with chunked
+prefills and batched decodes, its greedy tokens checked against transformers in float32 by teacher
+forcing.
+
+The documented agreement (docs/benchmarks.md, "The int8 KV cache"): every greedy token of the int8
+cache is within the reference's top 3 at its position, and at least 90% of them are the reference's
+own argmax (float32 weights; bfloat16 weights carry their own rounding on top)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.worker.config import RunnerConfig, WorkerConfig
+from services.worker.kv_cache import KVCacheLayout
+from services.worker.model_loader import load_config, load_model
+from services.worker.model_runner import ModelRunner
+from services.worker.platforms import AttentionHeads, build_platform
+from tests.worker.harness import VOCAB_SIZE, MiniScheduler
+
+TOP_K = 3
+MIN_ARGMAX_SHARE = 0.9
+BLOCK_SIZE = 16
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=512,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=512, bos_token_id=1, eos_token_id=2))
+    with torch.no_grad():
+        for layer in model.model.layers:  # sharper attention than the random init's near-uniform one
+            layer.self_attn.q_proj.weight.mul_(4.0)
+            layer.self_attn.k_proj.weight.mul_(4.0)
+    path = tmp_path_factory.mktemp("llama-d64")
+    model.save_pretrained(str(path))
+    return path
+
+
+def _runner(model_dir, dtype: torch.dtype, kv_cache_dtype: str, cache_dir) -> ModelRunner:
+    hf_config = load_config(model_dir)
+    worker_config = WorkerConfig(kv_cache_dtype=kv_cache_dtype, cache_dir=str(cache_dir))
+    platform = build_platform(worker_config, torch.device("cpu"), dtype, AttentionHeads.from_hf_config(hf_config))
+    model = load_model(model_dir, platform, config=hf_config)
+    attn = model.attention_layers()
+    layout = KVCacheLayout(len(attn), attn[0].num_kv_heads, attn[0].head_dim, BLOCK_SIZE, dtype, kv_cache_dtype)
+    config = RunnerConfig(block_size=BLOCK_SIZE, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=2048)
+    runner = ModelRunner(model, config, torch.device("cpu"), platform.attention_backend, layout,
+                         vocab_size=hf_config.vocab_size, eos_token_ids=(2,))
+    runner.initialize_kv_cache(64)
+    return runner
+
+
+def _prompts() -> dict[str, list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return {f"req-{i}": torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist() for i, n in enumerate([70, 9, 150, 33])}
+
+
+def _greedy(runner: ModelRunner, prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
+    scheduler = MiniScheduler(block_size=BLOCK_SIZE, token_budget=64)  # chunked prefills beside decodes
+    for req_id, prompt in prompts.items():
+        scheduler.add(req_id, prompt, max_tokens=max_tokens)
+    scheduler.run(runner)
+    return {req_id: scheduler.outputs(req_id) for req_id in prompts}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_cache_greedy_tokens_stay_within_the_float32_references_top_k(model_dir, dtype, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    runner = _runner(model_dir, dtype, "int8", tmp_path)
+    assert runner.kv_caches[0].dtype == torch.int8
+    prompts = _prompts()
+    outputs = _greedy(runner, prompts, max_tokens=24)
+    reference = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    num_tokens = num_argmax = 0
+    for req_id, prompt in prompts.items():
+        tokens = outputs[req_id]
+        assert len(tokens) == 24
+        with torch.no_grad():
+            logits = reference(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+        top = logits.topk(TOP_K, dim=-1).indices
+        for j, token in enumerate(tokens):
+            assert token in top[j].tolist(), f"{req_id} token {j}: {token} not in the reference's top {TOP_K}"
+        num_argmax += sum(int(t == a) for t, a in zip(tokens, logits.argmax(dim=-1).tolist()))
+        num_tokens += len(tokens)
+    assert num_argmax / num_tokens >= MIN_ARGMAX_SHARE, f"{num_argmax} of {num_tokens} tokens are the argmax"
+
