@@ -3,7 +3,7 @@
 
     flock /tmp/spindle-cpu.lock .venv/bin/python -m benchmarks.int8_kv_decode_bench
         [--shapes 32x400,32x1000,64x400,64x1000] [--heads 9,3,64] [--block-size 16]
-        [--march native|x86-64-v3] [--out benchmarks/results/int8_kv_decode_bench.json]
+        [--march native|x86-64-v3] [--only bf16|int8] [--out benchmarks/results/int8_kv_decode_bench.json]
 
 SmolLM2-135M's attention shape by default (9 query heads sharing 3 KV heads of 64, blocks of 16),
 bfloat16 queries, block tables scattered over the cache as in a long-running server. Each call
@@ -12,7 +12,8 @@ comes from memory as in a decode step over 30 layers, not from the last-level ca
 milliseconds per call (median of REPEATS timed passes over the layers) and the cache bytes read
 per second (keys and values; the int8 cache's scales included), and the largest difference of the
 int8 kernel's output from the bfloat16 kernel's on the same keys and values (dequantized, then
-rounded to bfloat16): quantization error, not the kernel's.
+rounded to bfloat16): quantization error, not the kernel's. `--only` times one kernel alone (the
+other's figures and the difference are then left out).
 """
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def _pass_ms(calls: list) -> float:
 
 
 def measure(int8_kernel: PagedDecodeInt8Kernel, bf16_kernel: PagedDecodeKernel, num_reqs: int, context_len: int,
-            num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> dict:
+            num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, only: str | None = None) -> dict:
     gen = torch.Generator().manual_seed(0)
     blocks_per_req = -(-context_len // block_size)
     num_blocks = num_reqs * blocks_per_req + 1  # block 0 is the null block
@@ -73,23 +74,27 @@ def measure(int8_kernel: PagedDecodeInt8Kernel, bf16_kernel: PagedDecodeKernel, 
     int8_bytes = 2 * num_reqs * context_len * num_kv_heads * (head_dim + 4)
     int8_cache, bf16_cache = _caches(num_blocks, block_size, num_kv_heads, head_dim, gen)
     num_layers = max(2, -(-MIN_CYCLE_BYTES // int8_bytes))
-    int8_layers = [int8_cache.clone() for _ in range(num_layers)]
-    int8_ms = _pass_ms([lambda c=c: int8_kernel(query, c[0], c[1], table, seq_lens, context_len, scale, block_size,
-                                                num_kv_heads, head_dim) for c in int8_layers])
-    del int8_layers
     num_bf16_layers = max(2, -(-MIN_CYCLE_BYTES // bf16_bytes))
-    bf16_layers = [bf16_cache.clone() for _ in range(num_bf16_layers)]
-    bf16_ms = _pass_ms([lambda c=c: bf16_kernel(query, c[0], c[1], table, seq_lens, context_len, scale)
-                        for c in bf16_layers])
-    del bf16_layers
+    row = {"num_reqs": num_reqs, "context_len": context_len, "bf16_cache_mb": bf16_bytes / 1e6,
+           "int8_cache_mb": int8_bytes / 1e6}
+    if only != "bf16":
+        int8_layers = [int8_cache.clone() for _ in range(num_layers)]
+        int8_ms = _pass_ms([lambda c=c: int8_kernel(query, c[0], c[1], table, seq_lens, context_len, scale,
+                                                    block_size, num_kv_heads, head_dim) for c in int8_layers])
+        del int8_layers
+        row.update(num_int8_layers=num_layers, int8_ms=int8_ms, int8_gb_per_s=int8_bytes / int8_ms / 1e6)
+    if only != "int8":
+        bf16_layers = [bf16_cache.clone() for _ in range(num_bf16_layers)]
+        bf16_ms = _pass_ms([lambda c=c: bf16_kernel(query, c[0], c[1], table, seq_lens, context_len, scale)
+                            for c in bf16_layers])
+        del bf16_layers
+        row.update(num_bf16_layers=num_bf16_layers, bf16_ms=bf16_ms, bf16_gb_per_s=bf16_bytes / bf16_ms / 1e6)
+    if only is not None:
+        return row
     int8_out = int8_kernel(query, int8_cache[0], int8_cache[1], table, seq_lens, context_len, scale, block_size, num_kv_heads, head_dim)
     bf16_out = bf16_kernel(query, bf16_cache[0], bf16_cache[1], table, seq_lens, context_len, scale)
-    return {"num_reqs": num_reqs, "context_len": context_len, "num_int8_layers": num_layers,
-            "num_bf16_layers": num_bf16_layers,
-            "bf16_ms": bf16_ms, "int8_ms": int8_ms, "int8_speedup": bf16_ms / int8_ms,
-            "bf16_gb_per_s": bf16_bytes / bf16_ms / 1e6, "int8_gb_per_s": int8_bytes / int8_ms / 1e6,
-            "bf16_cache_mb": bf16_bytes / 1e6, "int8_cache_mb": int8_bytes / 1e6,
-            "max_diff_int8_vs_bf16": float((int8_out - bf16_out).abs().max())}
+    row.update(int8_speedup=bf16_ms / int8_ms, max_diff_int8_vs_bf16=float((int8_out - bf16_out).abs().max()))
+    return row
 
 
 def main() -> None:
@@ -98,6 +103,7 @@ def main() -> None:
     parser.add_argument("--heads", default="9,3,64", help="query heads, KV heads, head size")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--march", default="native")
+    parser.add_argument("--only", choices=("bf16", "int8"), help="time one kernel alone")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "int8_kv_decode_bench.json"))
     args = parser.parse_args()
     os.environ["SPINDLE_CPU_KERNEL_MARCH"] = args.march
@@ -112,8 +118,13 @@ def main() -> None:
     for shape in args.shapes.split(","):
         num_reqs, context_len = (int(x) for x in shape.split("x"))
         row = measure(int8_kernel, bf16_kernel, num_reqs, context_len, num_heads, num_kv_heads, head_dim,
-                      args.block_size)
+                      args.block_size, args.only)
         rows.append(row)
+        if args.only is not None:
+            kind = args.only
+            print(f"{num_reqs:3d} requests x {context_len:5d} tokens: {kind} {row[kind + '_ms']:6.3f} ms "
+                  f"({row[kind + '_gb_per_s']:5.1f} GB/s)", flush=True)
+            continue
         print(f"{num_reqs:3d} requests x {context_len:5d} tokens: bf16 {row['bf16_ms']:6.3f} ms "
               f"({row['bf16_gb_per_s']:5.1f} GB/s), int8 {row['int8_ms']:6.3f} ms ({row['int8_gb_per_s']:5.1f} GB/s), "
               f"int8 {row['int8_speedup']:.2f}x; max diff {row['max_diff_int8_vs_bf16']:.1e}", flush=True)
