@@ -65,7 +65,8 @@ class SpindleServer(Server):
         threads = os.environ.get("SPINDLE_NUM_THREADS") or str(os.cpu_count() or 1)
         env = {"SPINDLE_LOG_LEVEL": "WARNING", "SPINDLE_NUM_THREADS": threads, **self.env}
         # A benchmark of the PyTorch fallback would pass for one of the compiled kernels: refuse it.
-        backend = "none" if env.get("SPINDLE_FAKE_MODEL") == "true" else "cpu"
+        backend = "none" if env.get("SPINDLE_FAKE_MODEL") == "true" else \
+            "cpu-int8kv" if env.get("SPINDLE_KV_CACHE_DTYPE") == "int8" else "cpu"
         self.cluster = SpindleCluster(log_dir, env=env, attention_backend=backend,
                                       tensor_parallel_size=self.tensor_parallel_size).start(timeout_s)
         with urllib.request.urlopen(self.cluster.base_url + "/v1/models", timeout=10) as resp:

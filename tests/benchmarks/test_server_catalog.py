@@ -1,0 +1,13 @@
+"""benchmarks.server_catalog: the Spindle rows' configurations, without starting anything."""
+from __future__ import annotations
+
+from benchmarks.server_catalog import make_servers
+
+
+def test_the_int8_kv_cache_rows_set_the_cache_dtype_beside_their_weights():
+    bf16, int8 = make_servers(["spindle-bf16-kv8", "spindle-int8-kv8"], "float32", install=False,
+                              bf16_max_concurrency=64)
+    assert bf16.env == {"SPINDLE_DTYPE": "bfloat16", "SPINDLE_KV_CACHE_DTYPE": "int8"}
+    assert int8.env == {"SPINDLE_DTYPE": "bfloat16", "SPINDLE_KV_CACHE_DTYPE": "int8", "SPINDLE_QUANTIZATION": "int8"}
+    assert bf16.max_concurrency == int8.max_concurrency == 64
+    assert "int8 KV cache" in bf16.note and "weight-only int8" in int8.note
