@@ -21,13 +21,10 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.int8_linear_bench import CPU_FLAGS
-from benchmarks.int8_model_bench import drift, greedy
+from benchmarks.int8_model_bench import cpu_flags, drift, greedy, parity_chat_prompts
 from benchmarks.step_bench import run_batch
-from services.common.model_files import resolve_model
 from services.worker.config import WorkerConfig
 from services.worker.worker import Worker
-from tests.e2e.test_default_model import PROMPTS
 
 
 def make_worker(dtype: str, kv_cache_dtype: str) -> Worker:
@@ -48,13 +45,8 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/int8_kv_model.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    flags = sorted({f for f in Path("/proc/cpuinfo").read_text().split() if f in CPU_FLAGS})
-    print(f"CPU flags: {' '.join(flags)}; {args.threads} threads; torch {torch.__version__}")
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(None).path))
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=False) for p in PROMPTS]
+    flags = cpu_flags(args.threads)
+    prompts = parity_chat_prompts()
     results: dict = {"threads": args.threads, "cpu_flags": flags, "prompt_len": args.prompt_len, "speed": {},
                      "outputs": {}}
     workers = {"bf16": make_worker("bfloat16", "auto"), "bf16-kv8": make_worker("bfloat16", "int8")}

@@ -75,6 +75,22 @@ def drift(reference: list[tuple[list[int], list[float]]], other: list[tuple[list
     return {"num_identical": sum(r["identical"] for r in rows), "num_prompts": len(rows), "prompts": rows}
 
 
+def cpu_flags(threads: int) -> list[str]:
+    """This CPU's flags of interest, printed with the thread count and torch's version."""
+    flags = sorted({f for f in Path("/proc/cpuinfo").read_text().split() if f in CPU_FLAGS})
+    print(f"CPU flags: {' '.join(flags)}; {threads} threads; torch {torch.__version__}")
+    return flags
+
+
+def parity_chat_prompts() -> list[list[int]]:
+    """The 8 parity prompts of tests/e2e/test_default_model.py in the embedded model's chat template."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(None).path))
+    return [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False) for p in PROMPTS]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=2)
@@ -84,13 +100,8 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/int8_model.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    flags = sorted({f for f in Path("/proc/cpuinfo").read_text().split() if f in CPU_FLAGS})
-    print(f"CPU flags: {' '.join(flags)}; {args.threads} threads; torch {torch.__version__}")
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(None).path))
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=False) for p in PROMPTS]
+    flags = cpu_flags(args.threads)
+    prompts = parity_chat_prompts()
     results: dict = {"threads": args.threads, "cpu_flags": flags, "speed": {}, "outputs": {}}
     workers = {name: make_worker(quantization, cpu_gemv=cpu_gemv)
                for name, (quantization, cpu_gemv) in SPEED_MODELS.items()}

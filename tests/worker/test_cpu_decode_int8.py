@@ -15,10 +15,9 @@ import torch
 
 from services.worker.attention.cpu_decode_int8 import PagedDecodeInt8Kernel
 from services.worker.attention.int8_kv_cache import quantize_int8_rows
-from services.worker.cpu_kernels import MARCH_FEATURES, _cpu_flags, load_cpu_kernels
 from tests.oracles import dense_attention
+from tests.worker.kernel_builds import MARCHES, library_for
 
-MARCHES = ["native", "x86-64-v3"]
 _kernels: dict[str, PagedDecodeInt8Kernel] = {}
 
 
@@ -30,14 +29,8 @@ def kernel_cache(tmp_path_factory):
 def _kernel(march: str, kernel_cache) -> PagedDecodeInt8Kernel:
     """The build for this CPU (with AVX512_BF16 and VBMI, head sizes that are a multiple of 64
     multiply on VDPBF16PS) or the portable one an image ships (float32 passes only)."""
-    if march != "native" and MARCH_FEATURES[march] - _cpu_flags():
-        pytest.skip(f"this CPU cannot run {march} code")
     if march not in _kernels:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setenv("SPINDLE_CPU_KERNEL_MARCH", march)
-            library = load_cpu_kernels(kernel_cache)
-        assert library is not None, "the CPU kernels must build here (gcc is on every CI machine)"
-        _kernels[march] = PagedDecodeInt8Kernel(library)
+        _kernels[march] = PagedDecodeInt8Kernel(library_for(march, kernel_cache))
     return _kernels[march]
 
 

@@ -14,7 +14,6 @@ from torch import nn
 from services.worker import cpu_kernels
 from services.worker.attention.torch_backend import TorchAttentionBackend
 from services.worker.config import WorkerConfig
-from services.worker.cpu_kernels import MARCH_FEATURES, _cpu_flags, load_cpu_kernels
 from services.worker.layers.embedding import LMHead, VocabEmbedding
 from services.worker.layers.gemv import Gemv
 from services.worker.layers.int8_gemv import MAX_INT8_GEMV_ROWS, Int8Gemv
@@ -25,9 +24,9 @@ from services.worker.layers.linear import Linear
 from services.worker.platforms import AttentionHeads, build_platform
 from services.worker.platforms.cpu import CpuPlatform
 from tests.worker import test_quantized_model
+from tests.worker.kernel_builds import MARCHES, library_for
 from tests.worker.test_quantized_model import _greedy
 
-MARCHES = ["native", "x86-64-v3"]
 _gemvs: dict[str, Int8Gemv] = {}
 
 
@@ -39,14 +38,8 @@ def kernel_cache(tmp_path_factory):
 def _gemv(march: str, kernel_cache) -> Int8Gemv:
     """The kernel built for this CPU (with AVX512_BF16, bfloat16 x multiplies on VDPBF16PS) or the
     portable build an image ships (int8 and x widened to float32, AVX2 FMAs)."""
-    if march != "native" and MARCH_FEATURES[march] - _cpu_flags():
-        pytest.skip(f"this CPU cannot run {march} code")
     if march not in _gemvs:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setenv("SPINDLE_CPU_KERNEL_MARCH", march)
-            library = load_cpu_kernels(kernel_cache)
-        assert library is not None, "the CPU kernels must build here (gcc is on every CI machine)"
-        _gemvs[march] = Int8Gemv(library)
+        _gemvs[march] = Int8Gemv(library_for(march, kernel_cache))
     return _gemvs[march]
 
 
@@ -238,7 +231,7 @@ def test_bf16_int8_model_on_the_gemv_gives_the_tokens_of_the_bf16_gemv(dequantiz
     """With bfloat16 activations both GEMVs sum the same exact products in float32 and round once
     (the weights' int8 values times power-of-two scales are exact in bfloat16)."""
     model_dir = dequantized_dirs["bf16_exact"]
-    library = load_cpu_kernels(kernel_cache)
+    library = library_for("native", kernel_cache)
     monkeypatch.setattr(test_quantized_model, "CpuPlatform", functools.partial(CpuPlatform, gemv=Gemv(library)))
     expected = _greedy(test_quantized_model._runner(model_dir, torch.bfloat16, "none"), 8)
     counting = CountingInt8Gemv(native_gemv)

@@ -17,27 +17,16 @@ from services.worker.attention.int8_kv_cache import (
     split_int8_cache,
 )
 from services.worker.config import WorkerConfig, config_from_args
-from services.worker.cpu_kernels import MARCH_FEATURES, _cpu_flags, load_cpu_kernels
 from services.worker.kv_cache import KVCacheLayout, allocate_kv_caches
 from services.worker.platforms import AttentionHeads, build_platform
 from services.worker.platforms.cuda import CudaPlatform
 from tests.kernels.paged_batch import DEFAULT_REQUESTS, TOLERANCES, make_batch
 from tests.oracles import DenseRequest, check_attention
-
-MARCHES = ["native", "x86-64-v3"]
-
+from tests.worker.kernel_builds import MARCHES, library_for
 
 @pytest.fixture(scope="module", params=MARCHES)
 def library(request, tmp_path_factory):
-    if request.param != "native":
-        missing = MARCH_FEATURES[request.param] - _cpu_flags()
-        if missing:
-            pytest.skip(f"this CPU lacks {sorted(missing)} for the {request.param} build")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("SPINDLE_CPU_KERNEL_MARCH", request.param)
-        library = load_cpu_kernels(tmp_path_factory.mktemp(f"kernels-{request.param}"))
-    assert library is not None, "the CPU kernels must build here (gcc is on every CI machine)"
-    return library
+    return library_for(request.param, tmp_path_factory.mktemp(f"kernels-{request.param}"))
 
 
 def _empty_cache(num_blocks, block_size, num_kv_heads, head_dim) -> torch.Tensor:
@@ -149,9 +138,11 @@ def test_layout_sizes_and_allocation_follow_the_int8_rows():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_platform_builds_the_int8_backend_and_refuses_what_it_cannot_serve(dtype, tmp_path, monkeypatch):
+def test_the_platform_builds_the_int8_backend_and_refuses_what_it_cannot_serve(dtype, tmp_path_factory,
+                                                                                monkeypatch):
     heads = AttentionHeads(num_heads=9, num_kv_heads=3, head_dim=64)
-    config = WorkerConfig(kv_cache_dtype="int8", cache_dir=str(tmp_path))
+    # One cache folder for both dtypes: the platform builds the kernels there once.
+    config = WorkerConfig(kv_cache_dtype="int8", cache_dir=str(tmp_path_factory.getbasetemp() / "int8-kv-platform"))
     platform = build_platform(config, torch.device("cpu"), dtype, heads)
     assert isinstance(platform.attention_backend, Int8CacheCpuBackend)
     with pytest.raises(ValueError, match="does not serve"):
