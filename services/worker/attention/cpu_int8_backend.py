@@ -6,7 +6,8 @@ half of bfloat16's bytes. Prefills, whose attention is bound by arithmetic, dequ
 their slices read once per layer into a dense cache in the model's dtype and attend there, on the
 compiled prefill kernel where it serves the dtype and on SDPA otherwise, through block tables
 remapped once per step. Every query reads keys and values as the cache holds them, this step's
-too, so prefill and decode see the same values whichever kernel runs. Keys and values are written by the compiled int8 writer.
+too, so prefill and decode see the same values whichever kernel runs. Keys and values are written
+by the compiled int8 writer.
 """
 from __future__ import annotations
 
