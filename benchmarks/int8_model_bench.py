@@ -1,7 +1,7 @@
 """`--quantization int8` against bf16 on the embedded SmolLM2-135M: decode speed and output drift.
 
     flock /tmp/spindle-cpu.lock .venv/bin/python -m benchmarks.int8_model_bench [--threads 2]
-        [--batch-sizes 1,8,32] [--max-tokens 64] [--out benchmarks/results/int8_model.json]
+        [--batch-sizes 1,8,32] [--models none,int8,...] [--max-tokens 64] [--out benchmarks/results/int8_model.json]
 
 Speed: decode steps of the worker (benchmarks.step_bench.run_batch, the real scheduler, 128-token
 prompts), each batch size run three times per model, the models alternating; the median of the
@@ -34,7 +34,12 @@ from services.worker.worker import Worker
 from tests.e2e.test_default_model import PROMPTS
 
 
-SPEED_MODELS = {"none": ("none", True), "int8": ("int8", True), "int8-no-gemv": ("int8", False)}
+SPEED_MODELS = {"none": ("none", True), "int8": ("int8", True), "int8-no-gemv": ("int8", False),
+                "w8a8": ("w8a8", True), "w8a8-no-gemv": ("w8a8", False)}
+# The drift of each against bf16. A prompt alone decodes one row a step, which w8a8 keeps on the
+# weight-only GEMV (only its prefill quantizes activations); w8a8-no-gemv quantizes every matmul's,
+# as a batch of more than 16 rows does.
+DRIFT_MODELS = ("int8", "w8a8", "w8a8-no-gemv")
 
 
 def make_worker(quantization: str, dtype: str = "bfloat16", cpu_gemv: bool = True) -> Worker:
@@ -95,6 +100,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch-sizes", default="1,8,32")
+    parser.add_argument("--models", default=",".join(SPEED_MODELS), help="of " + ",".join(SPEED_MODELS))
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--decode-steps", type=int, default=64)
     parser.add_argument("--out", default="benchmarks/results/int8_model.json")
@@ -103,9 +109,9 @@ def main() -> None:
     flags = cpu_flags(args.threads)
     prompts = parity_chat_prompts()
     results: dict = {"threads": args.threads, "cpu_flags": flags, "speed": {}, "outputs": {}}
-    workers = {name: make_worker(quantization, cpu_gemv=cpu_gemv)
-               for name, (quantization, cpu_gemv) in SPEED_MODELS.items()}
-    for name in ("none", "int8"):
+    names = ["none", *(n for n in args.models.split(",") if n != "none")]
+    workers = {name: make_worker(SPEED_MODELS[name][0], cpu_gemv=SPEED_MODELS[name][1]) for name in names}
+    for name in ("none", *(n for n in DRIFT_MODELS if n in workers)):
         results["outputs"][name] = [greedy(workers[name], p, args.max_tokens) for p in prompts]
     for bs in [int(b) for b in args.batch_sizes.split(",")]:
         # The models' runs alternate, so a slow minute of this shared VM hits all alike.
@@ -124,8 +130,9 @@ def main() -> None:
     float32 = make_worker("none", "float32")
     results["outputs"]["float32"] = [greedy(float32, p, args.max_tokens) for p in prompts]
     del float32
-    results["drift"] = {"int8_vs_bf16": drift(results["outputs"]["none"], results["outputs"]["int8"]),
-                        "bf16_vs_float32": drift(results["outputs"]["float32"], results["outputs"]["none"])}
+    results["drift"] = {f"{name}_vs_bf16": drift(results["outputs"]["none"], results["outputs"][name])
+                        for name in DRIFT_MODELS if name in results["outputs"]}
+    results["drift"]["bf16_vs_float32"] = drift(results["outputs"]["float32"], results["outputs"]["none"])
     for name, d in results["drift"].items():
         print(f"{name}: identical greedy {d['num_identical']}/{d['num_prompts']} over {args.max_tokens} tokens; "
               f"first divergences {[r['first_divergence'] for r in d['prompts']]}; max |dlogprob| over the "

@@ -80,6 +80,13 @@ def make_servers(names: list[str], dtype: str, install: bool, bf16_max_concurren
                                         f"and KV cache; c<={bf16_max_concurrency} only")
             server.max_concurrency = bf16_max_concurrency
             servers.append(server)
+        elif name == "spindle-w8a8":
+            server = SpindleServer("spindle-w8a8", env={"SPINDLE_DTYPE": "bfloat16", "SPINDLE_QUANTIZATION": "w8a8"},
+                                   note="int8 matmul weights (per-channel scales); matmuls of more than 16 rows "
+                                        "quantize their bfloat16 activations per row (W8A8, the CPU's int8 dot "
+                                        f"products); c<={bf16_max_concurrency} only")
+            server.max_concurrency = bf16_max_concurrency
+            servers.append(server)
         elif name in ("spindle-bf16-kv8", "spindle-int8-kv8"):  # as OpenVINO's CPU plugin keeps its cache: 8-bit
             weights = "weight-only int8 matmul weights, bfloat16 activations" if name == "spindle-int8-kv8" \
                 else "bfloat16 weights"

@@ -20,7 +20,9 @@ from services.common.telemetry import TelemetryConfig, add_telemetry_flags, tele
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 GiB = 2**30
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("none", "int8", "w8a8")
+# Those that hold the matmul weights as int8 with a scale per output channel (layers/int8_linear.py).
+INT8_WEIGHT_QUANTIZATIONS = ("int8", "w8a8")
 # auto: the model's dtype; int8: 8-bit keys and values with a float32 scale per token and KV head
 # (attention/int8_kv_cache.py), half of bfloat16's cache bytes (CPU only).
 KV_CACHE_DTYPES = ("auto", "int8")
@@ -58,7 +60,8 @@ class WorkerConfig:
     # weight kept beside oneDNN's packed copy (on a CPU with native bf16, 2x the matmul weight memory);
     # --quantization int8: up to 16 rows on the int8 GEMV, which reads the int8 weight itself.
     cpu_gemv: bool = True
-    # none, or int8: weight-only int8 matmul weights with per-channel scales (CPU only; layers/int8_linear.py).
+    # none; int8: weight-only int8 matmul weights with per-channel scales (CPU only; layers/int8_linear.py);
+    # w8a8: the same weights, and matmuls of more than 16 rows quantize their activations per row (layers/w8a8.py).
     quantization: str = "none"
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     log_level: str = "INFO"
@@ -92,7 +95,7 @@ class WorkerConfig:
         if self.quantization != "none" and self.tensor_parallel_size > 1:
             # Each rank would quantize its shard from float weights and the vocabulary-split head its
             # slice: untested, so refused rather than served.
-            raise ValueError("--quantization int8 is not supported with --tensor-parallel-size > 1 yet")
+            raise ValueError(f"--quantization {self.quantization} is not supported with --tensor-parallel-size > 1 yet")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: expected one of {KV_CACHE_DTYPES}")
         if self.kv_cache_dtype != "auto" and self.tensor_parallel_size > 1:  # untested together: refused
@@ -162,7 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--quantization", default="none", choices=list(QUANTIZATIONS),
              help="int8: weight-only int8 matmul weights (the LM head too) with a scale per output channel, "
                   "activations in --dtype; half of bf16's weight memory; CPU only (GGUF Q8_0 weights read "
-                  "from the file)")
+                  "from the file); w8a8: the same int8 weights, and matmuls of more than 16 rows (batches, "
+                  "prefill) quantize their activations per row to int8 and multiply on the CPU's int8 dot "
+                  "products (needs AVX512_VNNI, AVX_VNNI or AMX; refused elsewhere)")
     add_flag(parser, "--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
              help="auto: keys and values in --dtype; int8: 8-bit keys and values with a scale per token and "
                   "KV head, half of bfloat16's cache bytes, so decode attention reads half as much (CPU only, "

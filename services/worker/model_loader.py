@@ -17,6 +17,7 @@ from safetensors import safe_open
 from torch import nn
 
 from services.common.model_files import gguf_source, resolve_model
+from services.worker.config import INT8_WEIGHT_QUANTIZATIONS
 from services.worker.layers.gguf_int8 import attach_q8_0_weights
 from services.worker.models import get_model_class
 from services.worker.platforms import Platform
@@ -86,7 +87,7 @@ def load_model(model: str | Path, platform: Platform, cache_dir: str | None = No
     if missing:
         raise ValueError(f"checkpoint in {model_path} lacks {sorted(missing)[:5]} ({len(missing)} missing)")
     net.eval().requires_grad_(False)
-    source = gguf_source(model_path) if platform.quantization == "int8" else None
+    source = gguf_source(model_path) if platform.quantization in INT8_WEIGHT_QUANTIZATIONS else None
     if source is not None and shard is None:  # a rank's shard would need its int8 cut the same way
         logger.info("%d matmul weights from the Q8_0 tensors of %s", attach_q8_0_weights(net, source, config),
                     source.name)

@@ -11,3 +11,9 @@ def test_the_int8_kv_cache_rows_set_the_cache_dtype_beside_their_weights():
     assert int8.env == {"SPINDLE_DTYPE": "bfloat16", "SPINDLE_KV_CACHE_DTYPE": "int8", "SPINDLE_QUANTIZATION": "int8"}
     assert bf16.max_concurrency == int8.max_concurrency == 64
     assert "int8 KV cache" in bf16.note and "weight-only int8" in int8.note
+
+
+def test_the_w8a8_row_quantizes_its_int8_weights_activations_too():
+    (w8a8,) = make_servers(["spindle-w8a8"], "float32", install=False, bf16_max_concurrency=32)
+    assert w8a8.env == {"SPINDLE_DTYPE": "bfloat16", "SPINDLE_QUANTIZATION": "w8a8"}
+    assert w8a8.max_concurrency == 32 and "W8A8" in w8a8.note

@@ -10,7 +10,9 @@ chunk-widening GEMM above. That threshold is measured once per weight shape on t
 not fixed, because the crossing moves with the CPU: on a 2-core AVX512_BF16 EPYC (no AMX) the int8
 GEMM wins up to 2-4 rows and loses 2.5-4x at 32 rows to the widening path's oneDNN bf16 GEMM, which
 on an AMX CPU runs on AMX tiles and may cross sooner (docs/benchmarks.md, "Weight-only int8"). The
-GEMV's row limit is a constant, so it cannot move between restarts either.
+GEMV's row limit is a constant, so it cannot move between restarts either. Under
+`--quantization w8a8` the rows the GEMV does not take multiply on `W8A8Kernels` (w8a8.py):
+activations quantized per row, the int8 GEMM of the CPU's int8 dot products; no threshold is timed.
 
 With tied embeddings the LM head's int8 weight also serves the embedding lookup: its rows are
 per-row quantized already (an output channel of the head is a token's row), so a lookup widens
@@ -29,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.layers.int8_gemv import MAX_INT8_GEMV_ROWS, Int8Gemv
+from services.worker.layers.w8a8 import W8A8Kernels
 from services.worker.layers.int8_kernels import (
     dequantize_chunks_linear,
     has_int8pack_mm,
@@ -59,6 +62,7 @@ class Int8Weight:
         self.max_int8pack_rows = max_int8pack_rows if supports_int8pack(self.qweight) else 0
         self._scales_by_dtype = {torch.float32: self.scales}
         self.gemv: Int8Gemv | None = None
+        self.w8a8: W8A8Kernels | None = None  # set: rows off the GEMV quantize their activations
 
     def use_gemv(self, gemv: Int8Gemv) -> bool:
         """Multiplies x of up to MAX_INT8_GEMV_ROWS rows on `gemv` from now on, where it supports
@@ -91,6 +95,8 @@ class Int8Weight:
             if (self.gemv is not None and x.shape[0] <= MAX_INT8_GEMV_ROWS and x.dim() == 2
                     and x.dtype in Int8Gemv.DTYPES):
                 return self.gemv(x, self.qweight, self.scales, bias)
+            if self.w8a8 is not None:
+                return self._w8a8_linear(x, bias)
             use_int8pack = x.shape[0] <= self.max_int8pack_rows
         if use_int8pack:
             out = int8pack_linear(x, self.qweight, self.scales_in(x.dtype))
@@ -98,6 +104,11 @@ class Int8Weight:
             compute = self.compute_dtype(x.dtype)
             out = dequantize_chunks_linear(x, self.qweight, self.scales_in(compute), compute)
         return out if bias is None else out + bias
+
+    def _w8a8_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        out = self.w8a8.linear(rows, self.qweight, self.scales, bias)
+        return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
 
     def embedding(self, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The rows of `input_ids`, dequantized into `dtype`."""
@@ -211,11 +222,13 @@ def _cpu_model() -> str:
 
 
 def quantize_model(model: nn.Module, dtype: torch.dtype, native_bf16: bool,
-                   selector: Int8PathSelector | None = None, gemv: Int8Gemv | None = None) -> str:
+                   selector: Int8PathSelector | None = None, gemv: Int8Gemv | None = None,
+                   w8a8: W8A8Kernels | None = None) -> str:
     """Quantizes every matmul weight (`LinearBase`) in `model` to per-channel int8, in place, and
     frees its float weight; a checkpoint's own int8 (`checkpoint_int8`, from GGUF Q8_0) is used as
     it is. A tied embedding then reads its rows from the LM head's int8 weight. With `gemv`, the
-    weights it supports multiply a few rows on it. Returns a summary."""
+    weights it supports multiply a few rows on it; with `w8a8`, every other row count multiplies
+    there (W8A8) and the int8pack / widening threshold is not measured. Returns a summary."""
     from services.worker.layers.embedding import LMHead, VocabEmbedding
     from services.worker.layers.linear import LinearBase
 
@@ -232,7 +245,8 @@ def quantize_model(model: nn.Module, dtype: torch.dtype, native_bf16: bool,
         else:
             qweight, scales = quantize_per_channel(layer.weight)
         int8 = Int8Weight(qweight, scales, native_bf16=native_bf16)
-        int8.max_int8pack_rows = selector.max_int8pack_rows(int8, dtype)
+        int8.w8a8 = w8a8
+        int8.max_int8pack_rows = 0 if w8a8 is not None else selector.max_int8pack_rows(int8, dtype)
         int8.scales_in(dtype)
         if gemv is not None:
             num_gemv += int8.use_gemv(gemv)
@@ -244,4 +258,5 @@ def quantize_model(model: nn.Module, dtype: torch.dtype, native_bf16: bool,
         int8_bytes += int8.nbytes
     summary = (f"{len(layers)} matmul weights int8 ({num_from_checkpoint} from the checkpoint's Q8_0), "
                f"{float_bytes / 2**20:.0f} -> {int8_bytes / 2**20:.0f} MiB, {num_tied} tied embedding on int8 rows")
-    return summary + (f", {num_gemv} on the int8 GEMV up to {MAX_INT8_GEMV_ROWS} rows" if num_gemv else "")
+    summary += f", {num_gemv} on the int8 GEMV up to {MAX_INT8_GEMV_ROWS} rows" if num_gemv else ""
+    return summary + (", activations quantized per row above (W8A8, torch._int_mm)" if w8a8 is not None else "")

@@ -6,7 +6,7 @@ on the paged-prefill kernel for bfloat16 on CPUs with AVX512_BF16 (else SDPA), a
 + RMSNorm, float32 SiLU-and-mul and RoPE + KV cache write as single kernel calls. Without them
 (`--attention-backend torch`, or a library that did not build): PyTorch throughout. Weights are
 prepacked for oneDNN (float32, and bfloat16 where the CPU has bfloat16 arithmetic), or 16-bit
-weights get a float32 copy for batches; with `--quantization int8` they are quantized to int8
+weights get a float32 copy for batches; with `--quantization int8` or `w8a8` they are quantized to int8
 instead (layers/int8_linear.py). Decode matmuls of a few rows take the compiled GEMVs where the
 kernels load (bfloat16: layers/gemv.py; int8: layers/int8_gemv.py), unless `--cpu-gemv false`.
 The KV cache gets the `--kv-cache-bytes` budget; with `--kv-cache-dtype int8` it holds int8 keys
@@ -30,7 +30,7 @@ from services.worker.attention.cpu_int8_backend import Int8CacheCpuBackend
 from services.worker.attention.cpu_prefill import PagedPrefillKernel
 from services.worker.attention.int8_kv_cache import Int8KVWriter
 from services.worker.attention.torch_backend import TorchAttentionBackend
-from services.worker.config import RunnerConfig, WorkerConfig, cpu_has_native_bf16
+from services.worker.config import INT8_WEIGHT_QUANTIZATIONS, RunnerConfig, WorkerConfig, cpu_has_native_bf16
 from services.worker.cpu_bitmask import CpuTokenBitmask
 from services.worker.cpu_kernels import load_cpu_kernels
 from services.worker.kv_cache import KVCacheLayout
@@ -40,6 +40,7 @@ from services.worker.layers.int8_gemv import Int8Gemv
 from services.worker.layers.int8_linear import Int8PathSelector, quantize_model
 from services.worker.layers.layer_ops import LayerOps, TorchLayerOps
 from services.worker.layers.linear import MAX_GEMV_ROWS, add_float32_copies, can_prepack, prepack_cpu_weights
+from services.worker.layers.w8a8 import W8A8Kernels, int_mm_is_exact
 from services.worker.platforms.interface import AttentionHeads, Platform
 from services.worker.sampler import TorchSampler
 
@@ -59,13 +60,18 @@ class CpuPlatform(Platform):
                  float32_copy: bool, kv_cache_bytes: int = WorkerConfig.kv_cache_bytes,
                  native_bf16: bool | None = None, sampler: TorchSampler | None = None,
                  quantization: str = "none", gemv: Gemv | None = None,
-                 int8_selector: Int8PathSelector | None = None, int8_gemv: Int8Gemv | None = None):
+                 int8_selector: Int8PathSelector | None = None, int8_gemv: Int8Gemv | None = None,
+                 w8a8: W8A8Kernels | None = None):
         """`float32_copy`: 16-bit weights also get a float32 packed copy for batches, unless the CPU
         multiplies bfloat16 natively. `kv_cache_bytes`: the KV cache budget (default: the flag's).
         `native_bf16`: None asks this CPU (`cpu_has_native_bf16`). `quantization`: none or int8,
         whose kernel thresholds `int8_selector` measures (or finds stored).
         `gemv`: the compiled GEMV, which bfloat16 weights then keep their plain copy for.
-        `int8_gemv`: the compiled GEMV for int8 weights (a few rows, bfloat16 or float32 x)."""
+        `int8_gemv`: the compiled GEMV for int8 weights (a few rows, bfloat16 or float32 x).
+        `w8a8`: the passes around the int8 GEMM that `--quantization w8a8` needs."""
+        if quantization == "w8a8" and w8a8 is None:
+            raise ValueError("--quantization w8a8 needs the compiled CPU kernels, which did not build or load "
+                             "here (see the log above); use --quantization int8")
         self.device = torch.device("cpu")
         self.dtype = dtype
         self.attention_backend = attention_backend
@@ -78,6 +84,7 @@ class CpuPlatform(Platform):
         self.int8_selector = int8_selector or Int8PathSelector()
         self.gemv = gemv
         self.int8_gemv = int8_gemv
+        self.w8a8 = w8a8
 
     @classmethod
     def from_config(cls, config: WorkerConfig, dtype: torch.dtype, heads: AttentionHeads) -> CpuPlatform:
@@ -87,14 +94,21 @@ class CpuPlatform(Platform):
         backend, layer_ops = _backend_and_ops(kernels, dtype, heads, config.kv_cache_dtype)
         sampler = TorchSampler(CpuTokenBitmask(kernels)) if kernels is not None else TorchSampler()
         gemv_on = kernels is not None and config.cpu_gemv
+        w8a8 = None
+        if config.quantization == "w8a8" and kernels is not None:
+            if not int_mm_is_exact():
+                raise ValueError("--quantization w8a8: torch._int_mm does not multiply int8 exactly on this CPU "
+                                 "(it needs AVX512_VNNI, AVX_VNNI or AMX-INT8); use --quantization int8")
+            w8a8 = W8A8Kernels(kernels)
         return cls(dtype, backend, layer_ops, kv_cache_bytes=config.kv_cache_bytes,
                    float32_copy=config.cpu_float32_copy, sampler=sampler, quantization=config.quantization,
                    gemv=Gemv(kernels) if gemv_on else None, int8_gemv=Int8Gemv(kernels) if gemv_on else None,
-                   int8_selector=Int8PathSelector(cache_path=_cache_dir(config) / INT8_THRESHOLDS_FILE))
+                   int8_selector=Int8PathSelector(cache_path=_cache_dir(config) / INT8_THRESHOLDS_FILE), w8a8=w8a8)
 
     def process_weights_after_loading(self, model: nn.Module) -> str:
-        if self.quantization == "int8":  # int8 weights are neither packed nor copied
-            return quantize_model(model, self.dtype, self.native_bf16, self.int8_selector, self.int8_gemv)
+        if self.quantization in INT8_WEIGHT_QUANTIZATIONS:  # int8 weights are neither packed nor copied
+            return quantize_model(model, self.dtype, self.native_bf16, self.int8_selector, self.int8_gemv,
+                                  self.w8a8)
         num_packed = num_copied = num_gemv = 0
         if self.gemv is not None and self.dtype == torch.bfloat16:  # before packing: it keeps plain weights
             num_gemv = use_gemv(model, self.gemv)

@@ -1,0 +1,81 @@
+"""W8A8 matmuls (`--quantization w8a8`): int8 weights with a scale per output channel, as
+`--quantization int8` holds them, and activations quantized to int8 per row at each call (dynamic,
+symmetric: absmax / 127), so that a batch multiplies on the CPU's int8 dot products (VNNI, AMX-INT8)
+through PyTorch's int8 GEMM, `torch._int_mm` (oneDNN), instead of widening the weight to bfloat16.
+
+On a 2-core Zen 4 (AVX512_VNNI) `_int_mm` ran SmolLM2-135M's shapes at 2x oneDNN's bf16 GEMM from
+16 rows up (32 x 576 x 3072: 113 against 278 us); the quantizing and rescaling around it are one
+compiled pass each (csrc/w8a8.c). A few rows only stream the weight, so `Int8Weight` keeps them on
+the weight-only int8 GEMV (activations unquantized) and hands more rows here.
+
+`_int_mm` is only exact where oneDNN multiplies int8 without 16-bit intermediates: without VNNI
+(AVX2's VPMADDUBSW saturates pairs of products) its sums came out wrong for full-range int8, so the
+worker checks it once on extreme values (`int_mm_is_exact`) and refuses the mode where it fails.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+
+
+class W8A8Kernels:
+    """The compiled quantize / rescale passes around `torch._int_mm`; `linear` is the whole matmul."""
+
+    DTYPES = (torch.bfloat16, torch.float32)  # activations', which the output takes
+
+    def __init__(self, library: ctypes.CDLL):
+        self._quantize, self._dequantize = {}, {}
+        for dtype, suffix in zip(self.DTYPES, ("bf16", "f32")):
+            quantize = getattr(library, f"quantize_rows_int8_{suffix}")
+            quantize.argtypes, quantize.restype = [_P, _I64, _P, _P, _I64, _I64], ctypes.c_int
+            dequantize = getattr(library, f"dequantize_int32_{suffix}")
+            dequantize.argtypes, dequantize.restype = [_P] * 5 + [_I64, _I64], ctypes.c_int
+            self._quantize[dtype], self._dequantize[dtype] = quantize, dequantize
+
+    def quantize_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [M, K] -> (int8 [M, K], float32 scales [M]), q = rint(x * 127 / amax) per row."""
+        function = self._quantize.get(x.dtype)
+        if function is None or x.dim() != 2 or x.stride(1) != 1:
+            raise ValueError(f"W8A8: cannot quantize {x.dtype} {tuple(x.shape)} rows")
+        q = torch.empty(x.shape, dtype=torch.int8)
+        scales = torch.empty(x.shape[0], dtype=torch.float32)
+        function(x.data_ptr(), x.stride(0), q.data_ptr(), scales.data_ptr(), x.shape[0], x.shape[1])
+        return q, scales
+
+    def dequantize(self, acc: torch.Tensor, x_scales: torch.Tensor, w_scales: torch.Tensor,
+                   bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """acc [M, N] int32 * (x_scales[m] * w_scales[n]) (+ bias) in float32, rounded once to dtype."""
+        if bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
+            bias = bias.to(dtype).contiguous()
+        out = torch.empty(acc.shape, dtype=dtype)
+        self._dequantize[dtype](acc.data_ptr(), x_scales.data_ptr(), w_scales.data_ptr(),
+                                bias.data_ptr() if bias is not None else None, out.data_ptr(), *acc.shape)
+        return out
+
+    def linear(self, x: torch.Tensor, qweight: torch.Tensor, w_scales: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x (s * Q)^T (+ b) in x's dtype for Q int8 [N, K] contiguous and s float32 [N]."""
+        if x.dtype not in self._quantize:
+            x = x.float()
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        xq, x_scales = self.quantize_rows(x)
+        acc = torch._int_mm(xq, qweight.t())  # oneDNN reads Q's [N, K] rows as the transposed operand
+        return self.dequantize(acc, x_scales, w_scales, bias, x.dtype)
+
+
+def int_mm_is_exact() -> bool:
+    """Whether `torch._int_mm` sums full-range int8 exactly on this CPU (and oneDNN ISA setting):
+    rows of +-127 whose pairwise products overflow a 16-bit intermediate, and random values."""
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randint(-127, 128, (17, 256), generator=generator, dtype=torch.int8)
+    b = torch.randint(-127, 128, (48, 256), generator=generator, dtype=torch.int8)
+    a[0], b[0], b[1] = 127, 127, -127
+    try:
+        got = torch._int_mm(a, b.t())
+    except RuntimeError:
+        return False
+    return bool(torch.equal(got.long(), a.long() @ b.long().t()))
