@@ -17,7 +17,7 @@ GOAL_OVERHEAD_MS = 1.0
 # OpenVINO's CPU plugin keeps an 8-bit (u8) KV cache in both of its rows.
 PAIRS = (("spindle-bf16", "openvino-bf16", "bfloat16"), ("spindle-bf16-kv8", "openvino-bf16", "bfloat16"),
          ("spindle-int8", "openvino-int8", "int8"), ("spindle-int8-kv8", "openvino-int8", "int8"),
-         ("spindle-w8a8", "openvino-int8", "int8"))
+         ("spindle-w8a8", "openvino-int8", "int8"), ("spindle-w8a8-kv8", "openvino-int8", "int8"))
 
 
 def _pairs(result: dict) -> list[tuple[str, str, str]]:

@@ -11,6 +11,11 @@ from benchmarks.repeats import log
 from benchmarks.servers import ProcessServer, Server, SpindleServer, free_port, transformers_serve_dtype
 
 
+# The rows with the int8 KV cache: their --quantization and what their weights are.
+KV8_ROWS = {"spindle-bf16-kv8": ("none", "bfloat16 weights"),
+            "spindle-int8-kv8": ("int8", "weight-only int8 matmul weights, bfloat16 activations"),
+            "spindle-w8a8-kv8": ("w8a8", "int8 matmul weights, W8A8 above 16 rows")}
+
 def model_folder() -> str:
     from services.common.model_files import resolve_model
 
@@ -87,12 +92,11 @@ def make_servers(names: list[str], dtype: str, install: bool, bf16_max_concurren
                                         f"products); c<={bf16_max_concurrency} only")
             server.max_concurrency = bf16_max_concurrency
             servers.append(server)
-        elif name in ("spindle-bf16-kv8", "spindle-int8-kv8"):  # as OpenVINO's CPU plugin keeps its cache: 8-bit
-            weights = "weight-only int8 matmul weights, bfloat16 activations" if name == "spindle-int8-kv8" \
-                else "bfloat16 weights"
+        elif name in KV8_ROWS:  # as OpenVINO's CPU plugin keeps its cache: 8-bit
+            quantization, weights = KV8_ROWS[name]
             env = {"SPINDLE_DTYPE": "bfloat16", "SPINDLE_KV_CACHE_DTYPE": "int8"}
-            if name == "spindle-int8-kv8":
-                env["SPINDLE_QUANTIZATION"] = "int8"
+            if quantization != "none":
+                env["SPINDLE_QUANTIZATION"] = quantization
             server = SpindleServer(name, env=env, note=f"{weights}, int8 KV cache (a scale per token and KV head); "
                                                        f"c<={bf16_max_concurrency} only")
             server.max_concurrency = bf16_max_concurrency

@@ -17,3 +17,9 @@ def test_the_w8a8_row_quantizes_its_int8_weights_activations_too():
     (w8a8,) = make_servers(["spindle-w8a8"], "float32", install=False, bf16_max_concurrency=32)
     assert w8a8.env == {"SPINDLE_DTYPE": "bfloat16", "SPINDLE_QUANTIZATION": "w8a8"}
     assert w8a8.max_concurrency == 32 and "W8A8" in w8a8.note
+
+
+def test_the_w8a8_row_with_the_int8_kv_cache():
+    (row,) = make_servers(["spindle-w8a8-kv8"], "float32", install=False, bf16_max_concurrency=64)
+    assert row.env == {"SPINDLE_DTYPE": "bfloat16", "SPINDLE_KV_CACHE_DTYPE": "int8", "SPINDLE_QUANTIZATION": "w8a8"}
+    assert "W8A8" in row.note and "int8 KV cache" in row.note
