@@ -3,9 +3,9 @@
 symmetric: absmax / 127), so that a batch multiplies on the CPU's int8 dot products (VNNI, AMX-INT8)
 through PyTorch's int8 GEMM, `torch._int_mm` (oneDNN), instead of widening the weight to bfloat16.
 
-On a 2-core Zen 4 (AVX512_VNNI) `_int_mm` ran SmolLM2-135M's shapes at 2x oneDNN's bf16 GEMM from
-16 rows up (32 x 576 x 3072: 113 against 278 us); the quantizing and rescaling around it are one
-compiled pass each (csrc/w8a8.c). A few rows only stream the weight, so `Int8Weight` keeps them on
+On a 2-core Zen 4 (AVX512_VNNI) `_int_mm` ran SmolLM2-135M's layer shapes 1.6x (32 rows) to 2x
+(256 rows) faster than oneDNN's prepacked bf16 GEMM (32 x 576 -> 3072: 106 against 176 us); the
+quantizing and rescaling around it are one compiled pass each (csrc/w8a8.c). A few rows only stream the weight, so `Int8Weight` keeps them on
 the weight-only int8 GEMV (activations unquantized) and hands more rows here.
 
 `_int_mm` is only exact where oneDNN multiplies int8 without 16-bit intermediates: without VNNI
