@@ -1,7 +1,10 @@
-"""What the end-to-end tests poll: a frontend's /health, a service's gRPC health, and a bounded
-wait for a condition (a TimeoutError naming what did not happen)."""
+"""What the end-to-end tests poll and send: a frontend's /health and /stats, a service's gRPC
+health, a bounded wait for a condition (a TimeoutError naming what did not happen), and greedy
+completions sent all at once."""
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 import urllib.error
 import urllib.request
@@ -32,3 +35,26 @@ def wait_until(condition, what: str, timeout_s: float = 30) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what} within {timeout_s:.1f} s")
         time.sleep(0.05)
+
+
+def engine_stats(cluster) -> dict:
+    """The frontend's /stats (the engine's counters)."""
+    with urllib.request.urlopen(cluster.base_url + "/stats", timeout=5) as resp:
+        return json.load(resp)
+
+
+def complete_all(cluster, model_name: str, prompts: list[list[int]], max_tokens: int) -> list:
+    """Greedy completions of every prompt (token ids), sent concurrently, EOS ignored."""
+    import openai
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        try:
+            return await asyncio.gather(*[
+                client.completions.create(model=model_name, prompt=p, max_tokens=max_tokens, temperature=0,
+                                          extra_body={"return_token_ids": True, "ignore_eos": True})
+                for p in prompts])
+        finally:
+            await client.close()
+
+    return asyncio.run(run())

@@ -5,18 +5,15 @@ tests/worker/test_int8_kv_model.py), every block back afterwards, and a prefix-c
 the same tokens as the cold request."""
 from __future__ import annotations
 
-import asyncio
-import json
 import random
-import urllib.request
 
 import openai
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from tests.e2e.cluster import SpindleCluster
+from tests.e2e.probes import complete_all, engine_stats
 from tests.e2e.test_tiny_models import build_tiny_model
+from tests.top_k_agreement import check_within_reference_top_k
 
 MAX_TOKENS = 24
 NUM_PROMPTS = 8
@@ -45,39 +42,13 @@ def served(tmp_path_factory):
         cluster.stop()
 
 
-def _stats(cluster) -> dict:
-    with urllib.request.urlopen(cluster.base_url + "/stats", timeout=5) as resp:
-        return json.load(resp)
-
-
-async def _complete_all(cluster, model_name, prompts):
-    client = openai.AsyncOpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
-    try:
-        return await asyncio.gather(*[
-            client.completions.create(model=model_name, prompt=p, max_tokens=MAX_TOKENS, temperature=0,
-                                      extra_body={"return_token_ids": True, "ignore_eos": True})
-            for p in prompts])
-    finally:
-        await client.close()
-
-
 def test_int8_cache_serves_within_the_top_k_through_preemption_and_frees_every_block(served):
     cluster, model_dir, prompts = served
-    before = _stats(cluster)
-    responses = asyncio.run(_complete_all(cluster, model_dir.name, prompts))
-    reference = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    num_tokens = num_argmax = 0
-    for i, (prompt, resp) in enumerate(zip(prompts, responses)):
-        tokens = resp.choices[0].token_ids
-        assert len(tokens) == MAX_TOKENS
-        with torch.no_grad():
-            logits = reference(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
-        top = logits.topk(TOP_K, dim=-1).indices.tolist()
-        assert all(t in top[j] for j, t in enumerate(tokens)), f"prompt {i}: {tokens} leaves the top {TOP_K}"
-        num_argmax += sum(int(t == row[0]) for t, row in zip(tokens, top))
-        num_tokens += len(tokens)
-    assert num_argmax / num_tokens >= MIN_ARGMAX_SHARE, f"{num_argmax} of {num_tokens} tokens are the argmax"
-    after = _stats(cluster)
+    before = engine_stats(cluster)
+    responses = complete_all(cluster, model_dir.name, prompts, MAX_TOKENS)
+    check_within_reference_top_k(model_dir, prompts, [r.choices[0].token_ids for r in responses], TOP_K,
+                                 MIN_ARGMAX_SHARE, MAX_TOKENS)
+    after = engine_stats(cluster)
     assert after["num_preemptions"] > before["num_preemptions"], "the small KV cache should force preemption"
     assert after["num_free_blocks"] == after["num_total_blocks"], after
 

@@ -18,6 +18,25 @@ from services.worker.platforms.cpu import CpuPlatform
 VOCAB_SIZE = 512
 
 
+def save_llama_head_dim_64(path: Path, sharpen_attention: bool = True) -> Path:
+    """A 2-layer random Llama with head_dim 64 (hidden 256, 4 query heads, 2 KV heads), the shape
+    the compiled decode and prefill kernels' fast paths serve; with `sharpen_attention` its query
+    and key weights scaled 4x for sharper attention than the random init's near-uniform one. Saved
+    as safetensors."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=512,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=512, bos_token_id=1, eos_token_id=2))
+    with torch.no_grad():
+        for layer in model.model.layers if sharpen_attention else ():
+            layer.self_attn.q_proj.weight.mul_(4.0)
+            layer.self_attn.k_proj.weight.mul_(4.0)
+    model.save_pretrained(str(path))
+    return path
+
+
 def save_tiny_model(path: Path, arch: str) -> Path:
     """A 2-layer random model with GQA (4 query heads, 2 KV heads), saved as safetensors."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM

@@ -16,7 +16,8 @@ from services.worker.kv_cache import KVCacheLayout
 from services.worker.model_loader import load_config, load_model
 from services.worker.model_runner import ModelRunner
 from services.worker.platforms import AttentionHeads, build_platform
-from tests.worker.harness import VOCAB_SIZE, MiniScheduler
+from tests.top_k_agreement import check_within_reference_top_k
+from tests.worker.harness import VOCAB_SIZE, MiniScheduler, save_llama_head_dim_64
 
 TOP_K = 3
 MIN_ARGMAX_SHARE = 0.9
@@ -25,19 +26,7 @@ BLOCK_SIZE = 16
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(3)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=512,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         max_position_embeddings=512, bos_token_id=1, eos_token_id=2))
-    with torch.no_grad():
-        for layer in model.model.layers:  # sharper attention than the random init's near-uniform one
-            layer.self_attn.q_proj.weight.mul_(4.0)
-            layer.self_attn.k_proj.weight.mul_(4.0)
-    path = tmp_path_factory.mktemp("llama-d64")
-    model.save_pretrained(str(path))
-    return path
+    return save_llama_head_dim_64(tmp_path_factory.mktemp("llama-d64"))
 
 
 def _runner(model_dir, dtype: torch.dtype, kv_cache_dtype: str, cache_dir) -> ModelRunner:
@@ -74,23 +63,9 @@ def kernel_cache(tmp_path_factory):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_cache_greedy_tokens_stay_within_the_float32_references_top_k(model_dir, dtype, kernel_cache):
-    from transformers import AutoModelForCausalLM
-
     runner = _runner(model_dir, dtype, "int8", kernel_cache)
     assert runner.kv_caches[0].dtype == torch.int8
     prompts = _prompts()
     outputs = _greedy(runner, prompts, max_tokens=24)
-    reference = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    num_tokens = num_argmax = 0
-    for req_id, prompt in prompts.items():
-        tokens = outputs[req_id]
-        assert len(tokens) == 24
-        with torch.no_grad():
-            logits = reference(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
-        top = logits.topk(TOP_K, dim=-1).indices
-        for j, token in enumerate(tokens):
-            assert token in top[j].tolist(), f"{req_id} token {j}: {token} not in the reference's top {TOP_K}"
-        num_argmax += sum(int(t == a) for t, a in zip(tokens, logits.argmax(dim=-1).tolist()))
-        num_tokens += len(tokens)
-    assert num_argmax / num_tokens >= MIN_ARGMAX_SHARE, f"{num_argmax} of {num_tokens} tokens are the argmax"
-
+    check_within_reference_top_k(model_dir, list(prompts.values()), [outputs[r] for r in prompts], TOP_K,
+                                 MIN_ARGMAX_SHARE, 24)
