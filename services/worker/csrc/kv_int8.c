@@ -1,43 +1,32 @@
 /* This step's keys and values written into an int8 KV cache (attention/int8_kv_cache.py has the
  * layout): each (token, KV head) row of head_dim values becomes head_dim int8 in [-127, 127] and a
- * float32 scale, amax / 127, in float32 arithmetic: q = rint(x * (127 / amax)) (nearest even),
- * clamped; a row of zeros gets scale 0. The PyTorch reference (`quantize_int8_rows`) does the same
- * operations in the same order, so the two agree bit for bit.
+ * float32 scale, amax / 127, by the row rule of int8_quant.h (shared with W8A8's activations). The
+ * PyTorch reference (`quantize_int8_rows`) does the same operations in the same order, so the two
+ * agree bit for bit.
  *
  * key and value [num_tokens, num_kv_heads, head_dim] rows `*_stride` elements apart (views of the
  * fused QKV projection), float32 or bfloat16 (raw uint16); slots [num_tokens] int64, -1 skips a
  * token, and a slot past the cache fails the call (status 2) before anything is written; the
  * caches are the key and value halves of the layer's int8 tensor, `block_bytes` per block:
  * [block_size, num_kv_heads, head_dim] int8, then [block_size, num_kv_heads] float32. */
-#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "int8_quant.h"
 #include "vec.h"
 
 #define MAX_HEAD_DIM 256
 #define MIN_PARALLEL_TOKENS 64 /* below this a decode step's few rows cost less than waking threads */
 
-static inline void quantize_row(const float *x, int head_dim, int8_t *q, int8_t *scale_bytes) {
-  float amax = 0.f;
-  for (int d = 0; d < head_dim; d++) {
-    const float a = fabsf(x[d]);
-    amax = a > amax ? a : amax;
-  }
-  const float inv = amax > 0.f ? 127.f / amax : 0.f;
-  for (int d = 0; d < head_dim; d++) {
-    float v = rintf(x[d] * inv);
-    v = v > 127.f ? 127.f : v < -127.f ? -127.f : v;
-    q[d] = v == v ? (int8_t)v : 0; /* a NaN input must not reach the cast */
-  }
-  const float scale = amax / 127.f;
-  memcpy(scale_bytes, &scale, sizeof scale);
-}
+/* A row quantized by the shared rule, its float32 scale stored at unaligned `scale_bytes`. */
+#define QUANTIZE_INTO_BLOCK(SUFFIX, x, head_dim, q, scale_bytes) \
+  do {                                                          \
+    float scale;                                                \
+    quantize_row_int8_##SUFFIX(x, head_dim, q, &scale);         \
+    memcpy(scale_bytes, &scale, sizeof scale);                  \
+  } while (0)
 
-#define LOAD_F32(x) (x)
-#define LOAD_BF16(x) bf16_to_f32(x)
-
-#define DEFINE_WRITE(SUFFIX, T, LOAD)                                                              \
+#define DEFINE_WRITE(SUFFIX, T)                                                                    \
   int write_kv_int8_##SUFFIX(const T *key, int64_t key_stride, const T *value, int64_t value_stride, \
                              const int64_t *slots, int64_t num_tokens, int num_kv_heads, int head_dim, \
                              int block_size, int64_t block_bytes, int64_t num_blocks,              \
@@ -51,21 +40,18 @@ static inline void quantize_row(const float *x, int head_dim, int8_t *q, int8_t 
       const int64_t slot = slots[t];                                                                \
       if (slot < 0) continue;                                                                       \
       const int64_t block = slot / block_size, row = (slot % block_size) * num_kv_heads;            \
-      float buf[MAX_HEAD_DIM];                                                                      \
       for (int h = 0; h < num_kv_heads; h++) {                                                      \
         const int64_t offset = (row + h) * head_dim, scale_offset = data_bytes + (row + h) * 4;     \
         const T *k = key + t * key_stride + (int64_t)h * head_dim;                                  \
-        for (int d = 0; d < head_dim; d++) buf[d] = LOAD(k[d]);                                     \
         int8_t *kb = key_cache + block * block_bytes;                                               \
-        quantize_row(buf, head_dim, kb + offset, kb + scale_offset);                                \
+        QUANTIZE_INTO_BLOCK(SUFFIX, k, head_dim, kb + offset, kb + scale_offset);                   \
         const T *v = value + t * value_stride + (int64_t)h * head_dim;                              \
-        for (int d = 0; d < head_dim; d++) buf[d] = LOAD(v[d]);                                     \
         int8_t *vb = value_cache + block * block_bytes;                                             \
-        quantize_row(buf, head_dim, vb + offset, vb + scale_offset);                                \
+        QUANTIZE_INTO_BLOCK(SUFFIX, v, head_dim, vb + offset, vb + scale_offset);                   \
       }                                                                                             \
     }                                                                                               \
     return 0;                                                                                       \
   }
 
-DEFINE_WRITE(f32, float, LOAD_F32)
-DEFINE_WRITE(bf16, uint16_t, LOAD_BF16)
+DEFINE_WRITE(f32, float)
+DEFINE_WRITE(bf16, uint16_t)

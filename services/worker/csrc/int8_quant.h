@@ -1,0 +1,38 @@
+/* The int8 row quantizer shared by the int8 KV cache writer (kv_int8.c) and W8A8's activations
+ * (w8a8.c), so both round alike and match one PyTorch reference (`quantize_int8_rows`): in
+ * float32, q = rint(x * (127 / amax)) (nearest even), clamped to [-127, 127], a NaN to 0;
+ * scale = amax / 127, and a row of zeros gets scale 0. */
+#ifndef SPINDLE_INT8_QUANT_H
+#define SPINDLE_INT8_QUANT_H
+
+#include <math.h>
+#include <stdint.h>
+
+#include "vec.h"
+
+#define INT8_QUANT_LOAD_F32(x) (x)
+#define INT8_QUANT_LOAD_BF16(x) bf16_to_f32(x)
+
+/* quantize_row_int8_f32 / _bf16(x, k, q, scale): one row of k values. */
+#define DEFINE_QUANTIZE_ROW(SUFFIX, T, LOAD)                                                      \
+  static inline void quantize_row_int8_##SUFFIX(const T *x, int64_t k, int8_t *q, float *scale) { \
+    float amax = 0.f;                                                                           \
+    _Pragma("omp simd reduction(max : amax)")                                                   \
+    for (int64_t i = 0; i < k; i++) {                                                           \
+      const float a = fabsf(LOAD(x[i]));                                                        \
+      amax = a > amax ? a : amax;                                                               \
+    }                                                                                           \
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;                                          \
+    _Pragma("omp simd")                                                                         \
+    for (int64_t i = 0; i < k; i++) {                                                           \
+      float v = rintf(LOAD(x[i]) * inv);                                                        \
+      v = v > 127.f ? 127.f : v < -127.f ? -127.f : v;                                          \
+      q[i] = v == v ? (int8_t)v : 0; /* a NaN input must not reach the cast */                  \
+    }                                                                                           \
+    *scale = amax / 127.f;                                                                      \
+  }
+
+DEFINE_QUANTIZE_ROW(f32, float, INT8_QUANT_LOAD_F32)
+DEFINE_QUANTIZE_ROW(bf16, uint16_t, INT8_QUANT_LOAD_BF16)
+
+#endif
