@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import gc
 import logging
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 import grpc
 
@@ -59,6 +59,8 @@ class EngineClient:
         self.last_stats = SchedulerStats()
         # Observability hook: sees every step's outputs (services/frontend/observability.py); set by the server.
         self.observer: StepObserver | None = None
+        # Called whenever `is_ready` turns, so gRPC health follows at once (HTTP /health reads it live).
+        self.on_readiness_change: Callable[[], None] | None = None
         self._is_worker_alive = False
         # `interceptors`: the tracing interceptors when tracing is on (services/common/telemetry.py);
         # `auth`: this frontend's certificate and/or the scheduler's token (services/common/service_auth.py).
@@ -183,11 +185,14 @@ class EngineClient:
             pass  # the scheduler is gone, or aborts the request itself when the stream closes
 
     def _set_active(self, connection: EngineConnection | None) -> None:
+        was_ready = self._ready.is_set()
         self._active = connection
         if self.is_ready:
             self._ready.set()
         else:
             self._ready.clear()
+        if self._ready.is_set() != was_ready and self.on_readiness_change is not None:
+            self.on_readiness_change()
 
     def _set_worker_alive(self, alive: bool) -> None:
         self._is_worker_alive = alive

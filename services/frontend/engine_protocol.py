@@ -2,7 +2,7 @@
 the scheduler) is one implementation, a test's fake engine another."""
 from __future__ import annotations
 
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator, Callable, Protocol
 
 from services.common.kv_events import KVEventBatch
 from services.common.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineInfo, SchedulerStats
@@ -20,6 +20,8 @@ class EngineClientProtocol(Protocol):
     # The latest stats the engine sent (with a step's outputs, or polled).
     last_stats: SchedulerStats
     observer: StepObserver | None
+    # Called when `is_ready` turns (an implementation without one is polled).
+    on_readiness_change: Callable[[], None] | None
 
     @property
     def is_ready(self) -> bool:

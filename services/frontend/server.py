@@ -119,9 +119,14 @@ class FrontendServer:
         return [server for server in (self._grpc, self._engine_grpc) if server is not None]
 
     async def _follow_readiness(self) -> None:
-        """Keeps gRPC health in step with the engine (the HTTP /health asks on each call)."""
+        """Keeps gRPC health in step with the engine (the HTTP /health asks on each call): woken
+        when the engine's readiness turns, so both answer alike; polled too, for a client without
+        the hook."""
+        changed = asyncio.Event()
+        self.engine_client.on_readiness_change = changed.set
         is_serving: bool | None = None
         while True:
+            changed.clear()
             now = bool(self.engine_client.is_ready) and not self.state.is_draining
             if now != is_serving:
                 for server in self._grpc_servers():
@@ -129,7 +134,8 @@ class FrontendServer:
                 if is_serving is not None or now:
                     logger.info("engine %s", "ready: serving requests" if now else "not ready: refusing requests")
                 is_serving = now
-            await asyncio.sleep(READINESS_POLL_S)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(changed.wait(), READINESS_POLL_S)
 
     async def stop(self) -> None:
         """Drains: refuse new requests, let in-flight ones finish up to the shutdown timeout, stop."""

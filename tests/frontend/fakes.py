@@ -79,6 +79,7 @@ class FakeEngineClient:
         self.is_ready = True
         self.last_stats = SchedulerStats()
         self.observer = None
+        self.on_readiness_change = None  # `is_ready` is a plain knob here: the frontend polls it
         self.refuse: EngineError | None = None
         self.fail_after: int | None = None
         self.failure = EngineError("worker died", "unavailable")

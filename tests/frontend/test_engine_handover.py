@@ -145,6 +145,8 @@ def _scenario(body):
 
 def test_a_draining_engine_finishes_its_requests_while_new_ones_go_to_the_next_engine():
     async def body(client, engine_a, engine_b, proxy):
+        turns: list[bool] = []  # what the readiness hook saw (the frontend's gRPC health follows it)
+        client.on_readiness_change = lambda: turns.append(client.is_ready)
         first = asyncio.Event()
         running = asyncio.create_task(_collect(client, "running", first))
         await _until(lambda: "running" in engine_a.received, "engine a never got the request")
@@ -160,6 +162,7 @@ def test_a_draining_engine_finishes_its_requests_while_new_ones_go_to_the_next_e
         proxy.backend_port = engine_b.port  # the draining engine left the Service's endpoints
         assert await asyncio.wait_for(waiting, DEADLINE_S) == [[7]]
         assert client.is_ready and engine_b.received == ["new"] and engine_a.refused == []
+        assert turns == [False, True]
 
         # The draining engine's request ends on its old stream, with every token and no error.
         assert not running.done()
