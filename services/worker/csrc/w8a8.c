@@ -24,7 +24,8 @@
   int quantize_rows_int8_##SUFFIX(const T *x, int64_t x_stride, int8_t *q, float *scales, int64_t m, \
                                   int64_t k) {                                                       \
     _Pragma("omp parallel for schedule(static) if (m * k >= MIN_PARALLEL_ELEMENTS)")                \
-    for (int64_t r = 0; r < m; r++) quantize_row_int8_##SUFFIX(x + r * x_stride, k, q + r * k, scales + r); \
+    for (int64_t r = 0; r < m; r++)                                                                \
+      quantize_row_int8_##SUFFIX(x + r * x_stride, k, q + r * k, scales + r);                      \
     return 0;                                                                                      \
   }
 
