@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import json
 import re
 import subprocess
@@ -61,6 +62,17 @@ TOLERANCES = Tolerances(
     # The fifth alternative is often a near-tie with the sixth; one swap of that kind is allowed.
     min_top_overlap=3,
 )
+# On a CPU without bf16 arithmetic (AVX2) transformers' own bf16 runs on PyTorch's emulated bf16
+# matmuls, a third computation beside ours and float32: measured there over the 6 prompts (2-core
+# AMD EPYC, AVX2 only), ours against it worst |dlogprob| 0.263 at a near-tie, its own drift from
+# float32 0.167 worst on the float32 greedy tokens; ours against float32 0.182, within 0.25. Three
+# bf16 steps of a logit against that reference, the rest as above.
+EMULATED_BF16_REFERENCE_TOLERANCES = dataclasses.replace(TOLERANCES, max_logprob_diff=0.375)
+
+
+def tolerances_for(ref_dtype: torch.dtype) -> Tolerances:
+    emulated = ref_dtype == torch.bfloat16 and not cpu_has_native_bf16()
+    return EMULATED_BF16_REFERENCE_TOLERANCES if emulated else TOLERANCES
 
 KV_ENV = {"SPINDLE_DTYPE": "bfloat16", "SPINDLE_KV_CACHE_BYTES": str(64 * 2**20), "SPINDLE_MAX_MODEL_LEN": "512"}
 # The worker as it starts on a CPU without bf16 arithmetic: the check is patched before the modules
@@ -151,18 +163,18 @@ def references(served, hf_models):
             for dtype, hf in hf_models.items()}
 
 
-def _check_all(samples, refs, tokenizer) -> Measured:
+def _check_all(samples, refs, tokenizer, tol: Tolerances) -> Measured:
     token_bytes = ByteTable(tokenizer)
     measured = Measured()
     for sample, ref in zip(samples, refs):
-        compare(sample, ref, token_bytes, TOLERANCES, measured)
-    assert_aggregates(measured, TOLERANCES)
+        compare(sample, ref, token_bytes, tol, measured)
+    assert_aggregates(measured, tol)
     return measured
 
 
 @pytest.mark.parametrize("ref_dtype", [torch.bfloat16, torch.float32], ids=["hf_bf16", "hf_float32"])
 def test_bf16_serving_matches_transformers(served, references, tokenizer, ref_dtype):
-    measured = _check_all(served, references[ref_dtype], tokenizer)
+    measured = _check_all(served, references[ref_dtype], tokenizer, tolerances_for(ref_dtype))
     print(f"bf16 serving vs transformers {ref_dtype}: {measured.summary()}")
     # Every prompt ran to its limit or to the end of its turn: nothing cut short unseen.
     assert all(len(s.positions) == MAX_TOKENS or s.token_ids[-1] == tokenizer.eos_token_id for s in served)
@@ -178,13 +190,14 @@ def test_prompts_are_the_chat_template_of_transformers(served, tokenizer):
 
 
 # The comparison must fail when the served side is wrong: perturbed copies of real samples.
+BF16_TOL = tolerances_for(torch.bfloat16)
 
 def test_logprobs_shifted_by_half_a_nat_fail(served, references, tokenizer):
     samples = copy.deepcopy(served)
     for pos in samples[1].positions:
         pos.logprob -= 0.5
-    with pytest.raises(AssertionError, match=r"Write a haiku.*logprob ours .*> 0.25"):
-        _check_all(samples, references[torch.bfloat16], tokenizer)
+    with pytest.raises(AssertionError, match=rf"Write a haiku.*logprob ours .*> {BF16_TOL.max_logprob_diff}"):
+        _check_all(samples, references[torch.bfloat16], tokenizer, BF16_TOL)
 
 
 def test_a_small_systematic_error_fails_the_mean(served, references, tokenizer):
@@ -195,7 +208,7 @@ def test_a_small_systematic_error_fails_the_mean(served, references, tokenizer):
         for i, pos in enumerate(sample.positions):
             pos.logprob = float(ref[i, pos.token_id]) + 0.08
     with pytest.raises(AssertionError, match=r"mean \|dlogprob\| 0.0800 > 0.06"):
-        _check_all(samples, refs, tokenizer)
+        _check_all(samples, refs, tokenizer, BF16_TOL)
 
 
 def test_a_low_ranked_token_fails(served, references, tokenizer):
@@ -205,7 +218,7 @@ def test_a_low_ranked_token_fails(served, references, tokenizer):
     pos.token_id = int(torch.topk(refs[0][3], 50).indices[-1])  # the reference's 50th choice
     pos.token_bytes = ByteTable(tokenizer)(pos.token_id)
     with pytest.raises(AssertionError, match=r"capital of France\?: position 3 .*reference rank \d+ \(limit 3\)"):
-        _check_all(samples, refs, tokenizer)
+        _check_all(samples, refs, tokenizer, BF16_TOL)
 
 
 def test_foreign_top_logprobs_fail(served, references, tokenizer):
@@ -216,14 +229,14 @@ def test_foreign_top_logprobs_fail(served, references, tokenizer):
     ranks_20_to_24 = torch.topk(refs[2][5], 25).indices[20:]
     pos.top = [(token_bytes(int(t)), lp) for t, (_, lp) in zip(ranks_20_to_24, pos.top)]
     with pytest.raises(AssertionError, match=r"prime numbers\.: position 5 .*top-5 overlap 0 < 3"):
-        _check_all(samples, refs, tokenizer)
+        _check_all(samples, refs, tokenizer, BF16_TOL)
 
 
 def test_bytes_of_another_token_fail(served, references, tokenizer):
     samples = copy.deepcopy(served)
     samples[3].positions[0].token_bytes += b"x"
     with pytest.raises(AssertionError, match=r"gravity in one sentence\.: position 0 .*do not belong"):
-        _check_all(samples, references[torch.bfloat16], tokenizer)
+        _check_all(samples, references[torch.bfloat16], tokenizer, BF16_TOL)
 
 
 def test_too_few_argmax_agreements_fail():

@@ -20,6 +20,7 @@ from services.worker.platforms import AttentionHeads, build_platform
 from services.worker.platforms import cpu as cpu_platform
 from services.worker.platforms.cpu import CpuPlatform
 from tests.worker import harness
+from tests.worker.cpu_features import needs_bf16_packing
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +103,7 @@ def _bf16_layer_and_head() -> nn.ModuleList:
     return nn.ModuleList([layer, LMHead(70, 96, tied_to=embedding)]).to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("native_bf16", [True, False])
+@pytest.mark.parametrize("native_bf16", [pytest.param(True, marks=needs_bf16_packing), False])
 def test_linear_takes_the_gemv_for_a_few_rows_and_onednn_or_the_copy_above(gemv, native_bf16):
     counting = CountingGemv(gemv)
     platform = CpuPlatform(torch.bfloat16, TorchAttentionBackend(), TorchLayerOps(), float32_copy=True,
@@ -149,7 +150,7 @@ def test_without_the_library_there_is_no_gemv_and_linear_stays_on_pytorch(kernel
 
 
 @pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])  # Qwen2: biased QKV
-@pytest.mark.parametrize("native_bf16", [True, False])
+@pytest.mark.parametrize("native_bf16", [pytest.param(True, marks=needs_bf16_packing), False])
 def test_greedy_tokens_of_a_bf16_model_are_the_same_with_the_gemv_on_and_off(model_fixture, gemv, native_bf16,
                                                                               request, monkeypatch):
     """Decode steps of 4 requests run 4 rows on the GEMV; it sums in float32 and rounds once, as

@@ -5,6 +5,7 @@ from torch import nn
 
 from services.worker.layers.embedding import LMHead, VocabEmbedding
 from services.worker.layers.linear import Linear, add_float32_copies, can_prepack, linear, prepack_cpu_weights
+from tests.worker.cpu_features import needs_bf16_packing
 
 
 def _head(vocab_size: int, hidden_size: int) -> LMHead:
@@ -52,6 +53,7 @@ def _bf16_layer_and_head(seed: int) -> tuple[Linear, LMHead]:
     return layer, head
 
 
+@needs_bf16_packing
 def test_prepacked_bf16_linear_and_lm_head_multiply_natively_at_every_batch_size():
     layer, head = _bf16_layer_and_head(4)
     weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()

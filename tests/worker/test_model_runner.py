@@ -7,6 +7,7 @@ import torch
 from services.common.messages import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from services.worker.platforms import cpu as cpu_platform
 from tests.worker.harness import VOCAB_SIZE, MiniScheduler, hf_greedy, make_runner
+from tests.worker.cpu_features import needs_bf16_packing
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -55,6 +56,7 @@ def test_bf16_float32_weight_copy_gives_the_same_greedy_tokens(model_fixture, re
     assert all(len(t) == 8 for t in with_copy.values())
 
 
+@needs_bf16_packing
 @pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
 def test_bf16_weights_prepacked_natively_give_the_same_greedy_tokens(model_fixture, request, monkeypatch):
     """On a CPU with native bfloat16 the weights are prepacked as they are and multiplied in

@@ -33,6 +33,7 @@ from services.worker.platforms.cpu import CpuPlatform
 from services.worker.platforms.cuda import CudaPlatform
 from services.worker.sampler import TorchSampler
 from services.worker.worker import Worker
+from tests.worker.cpu_features import needs_bf16_packing
 
 HEADS = AttentionHeads(num_heads=4, num_kv_heads=2, head_dim=64)
 
@@ -78,7 +79,8 @@ def _layer_and_head(dtype: torch.dtype) -> nn.ModuleList:
 
 @pytest.mark.parametrize("dtype,float32_copy,native_bf16,expected,packed_dtype", [
     (torch.float32, True, False, "2 matmul weights prepacked, 0 with a float32 copy", torch.float32),
-    (torch.bfloat16, True, True, "2 matmul weights prepacked, 0 with a float32 copy", torch.bfloat16),
+    pytest.param(torch.bfloat16, True, True, "2 matmul weights prepacked, 0 with a float32 copy", torch.bfloat16,
+                 marks=needs_bf16_packing),
     (torch.bfloat16, True, False, "0 matmul weights prepacked, 2 with a float32 copy", torch.float32),
     (torch.bfloat16, False, False, "0 matmul weights prepacked, 0 with a float32 copy", None),
     (torch.float16, True, True, "0 matmul weights prepacked, 0 with a float32 copy", None),  # no copy beside native bf16
