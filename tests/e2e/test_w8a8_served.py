@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from services.worker.config import cpu_has_int8_dot
 from services.worker.layers.w8a8 import int_mm_is_exact
 from tests.e2e.cluster import SpindleCluster
 from tests.e2e.probes import complete_all, engine_stats
@@ -20,8 +21,8 @@ NUM_PROMPTS = 24  # more than 16 decode rows at once
 TOP_K = 3
 MIN_ARGMAX_SHARE = 0.9
 
-pytestmark = pytest.mark.skipif(not int_mm_is_exact(),
-                                reason="torch._int_mm is not exact on this CPU (no VNNI/AMX): w8a8 refused")
+pytestmark = pytest.mark.skipif(not (cpu_has_int8_dot() and int_mm_is_exact()),
+                                reason="no VNNI/AMX-INT8 on this CPU: the worker refuses w8a8")
 
 
 @pytest.fixture(scope="module")

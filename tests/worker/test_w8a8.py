@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from services.worker.attention.int8_kv_cache import quantize_int8_rows
-from services.worker.config import RunnerConfig, WorkerConfig
+from services.worker.config import RunnerConfig, WorkerConfig, cpu_has_int8_dot
 from services.worker.kv_cache import KVCacheLayout
 from services.worker.layers.int8_gemv import MAX_INT8_GEMV_ROWS, Int8Gemv
 from services.worker.layers.int8_kernels import quantize_per_channel
@@ -31,7 +31,7 @@ TOP_K = 3
 MIN_ARGMAX_SHARE = 0.9
 VNNI_FLAGS = {"avx512_vnni", "avx_vnni", "amx_int8"}
 needs_exact_int_mm = pytest.mark.skipif(not int_mm_is_exact(),
-                                        reason="torch._int_mm is not exact on this CPU (no VNNI/AMX): w8a8 refused")
+                                        reason="torch._int_mm is not exact on this CPU")
 
 
 def _cpu_flags() -> set[str]:
@@ -153,7 +153,17 @@ def test_w8a8_is_refused_with_tensor_parallelism_and_without_the_kernels():
         CpuPlatform(torch.float32, TorchAttentionBackend(), TorchLayerOps(), float32_copy=False, quantization="w8a8")
 
 
+def test_w8a8_is_refused_without_int8_dot_products(monkeypatch, kernel_cache):
+    monkeypatch.setattr("services.worker.platforms.cpu.cpu_has_int8_dot", lambda: False)
+    heads = AttentionHeads(num_heads=4, num_kv_heads=2, head_dim=64)
+    config = WorkerConfig(quantization="w8a8", cache_dir=str(kernel_cache))
+    with pytest.raises(ValueError, match=r"w8a8 needs int8 dot products .* use --quantization int8"):
+        build_platform(config, torch.device("cpu"), torch.bfloat16, heads)
+    assert cpu_has_int8_dot() == bool(VNNI_FLAGS & _cpu_flags())
+
+
 def test_w8a8_is_refused_where_int_mm_is_not_exact(monkeypatch, kernel_cache):
+    monkeypatch.setattr("services.worker.platforms.cpu.cpu_has_int8_dot", lambda: True)
     monkeypatch.setattr("services.worker.platforms.cpu.int_mm_is_exact", lambda: False)
     heads = AttentionHeads(num_heads=4, num_kv_heads=2, head_dim=64)
     config = WorkerConfig(quantization="w8a8", cache_dir=str(kernel_cache))
@@ -186,7 +196,10 @@ def _runner(model_dir, dtype: torch.dtype, cache_dir, cpu_gemv: bool) -> ModelRu
 @needs_exact_int_mm
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cpu_gemv", [True, False])  # False: every matmul quantizes its activations
-def test_w8a8_greedy_tokens_stay_within_the_float32_references_top_k(model_dir, dtype, cpu_gemv, kernel_cache):
+def test_w8a8_greedy_tokens_stay_within_the_float32_references_top_k(model_dir, dtype, cpu_gemv, kernel_cache,
+                                                                       monkeypatch):
+    # Where the worker refuses w8a8 for speed alone (exact, no VNNI) the numbers are still checked.
+    monkeypatch.setattr("services.worker.platforms.cpu.cpu_has_int8_dot", lambda: True)
     runner = _runner(model_dir, dtype, kernel_cache, cpu_gemv)
     head = runner.model.lm_head.int8_weight
     assert head.w8a8 is not None and (head.gemv is not None) == cpu_gemv
