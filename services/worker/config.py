@@ -60,6 +60,9 @@ class WorkerConfig:
     # weight kept beside oneDNN's packed copy (on a CPU with native bf16, 2x the matmul weight memory);
     # --quantization int8: up to 16 rows on the int8 GEMV, which reads the int8 weight itself.
     cpu_gemv: bool = True
+    # Decode steps of up to the GEMVs' row limit run all decoder layers in one compiled call
+    # (models/decode_stack.py), where every layer is on a GEMV; same kernels, same results.
+    cpu_fused_decode: bool = True
     # none; int8: weight-only int8 matmul weights with per-channel scales (CPU only; layers/int8_linear.py);
     # w8a8: the same weights, and matmuls of more than 16 rows quantize their activations per row (layers/w8a8.py).
     quantization: str = "none"
@@ -162,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
                   "decode about 1.25x faster; with native bf16 it keeps the plain weights beside the packed "
                   "ones: 2x the matmul weight memory); with --quantization int8, the int8 GEMV kernel for "
                   "up to 16 rows (no extra memory)")
+    add_flag(parser, "--cpu-fused-decode", type=bool, default=True,
+             help="decode steps of a few rows (all matmuls on the GEMVs above) run every decoder layer in one "
+                  "compiled call instead of nine kernel calls a layer from Python (the same kernels and results)")
     add_flag(parser, "--quantization", default="none", choices=list(QUANTIZATIONS),
              help="int8: weight-only int8 matmul weights (the LM head too) with a scale per output channel, "
                   "activations in --dtype; half of bf16's weight memory; CPU only (GGUF Q8_0 weights read "
@@ -218,6 +224,7 @@ def config_from_args(argv: list[str] | None = None) -> WorkerConfig:
         attention_backend=args.attention_backend,
         cpu_float32_copy=args.cpu_float32_copy,
         cpu_gemv=args.cpu_gemv,
+        cpu_fused_decode=args.cpu_fused_decode,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         log_level=args.log_level,

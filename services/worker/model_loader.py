@@ -93,6 +93,8 @@ def load_model(model: str | Path, platform: Platform, cache_dir: str | None = No
                     source.name)
     num_params = sum(p.numel() for p in net.parameters())
     packing = platform.process_weights_after_loading(net)
+    if platform.decode_layers is not None and shard is None:
+        packing += ", " + net.fuse_decode_layers(platform.decode_layers)
     logger.info(
         "loaded %s (%s, %.0fM parameters, %s, %s) in %.1f s",
         model_cls.__name__, model_path.name, num_params / 1e6, str(platform.dtype).removeprefix("torch."), packing,

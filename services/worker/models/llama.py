@@ -21,6 +21,7 @@ from services.worker.layers.layer_ops import LayerOps
 from services.worker.layers.layernorm import RMSNorm
 from services.worker.layers.linear import Linear, MergedLinear, QKVLinear
 from services.worker.layers.rotary_embedding import get_rope
+from services.worker.models.decode_stack import DecodeLayersKernel, DecodeStack, attach_decode_stack
 from services.worker.platforms.interface import Platform
 
 
@@ -90,10 +91,15 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, platform, qkv_bias, o_bias) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, platform.layer_ops)
+        # All of a few-row decode step's layers in one compiled call, where the CPU platform
+        # attached one (decode_stack.py); same kernels, same results.
+        self.decode_stack: DecodeStack | None = None
 
     def forward(self, input_ids, positions, attn_metadata) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None
         rope = self.layers[0].self_attn.rotary_emb.cos_sin(positions, hidden_states.dtype)
+        if self.decode_stack is not None and self.decode_stack.accepts(hidden_states, attn_metadata):
+            return self.decode_stack(hidden_states, rope, attn_metadata)
         for layer in self.layers:
             hidden_states, residual = layer(rope, hidden_states, residual, attn_metadata)
         hidden_states, _ = self.norm(hidden_states, residual)
@@ -126,6 +132,14 @@ class LlamaForCausalLM(nn.Module):
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] of the flat token batch."""
         return self.model(input_ids, positions, attn_metadata)
+
+    def fuse_decode_layers(self, kernel: DecodeLayersKernel) -> str:
+        """Runs few-row decode steps' layers as one call of `kernel` where they all qualify; says
+        which, for the load log."""
+        why_not = attach_decode_stack(self.model, kernel)
+        if why_not:
+            return f"decode layers one by one ({why_not})"
+        return f"decode layers in one call up to {self.model.decode_stack.max_num_rows} rows"
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_states)

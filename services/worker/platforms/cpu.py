@@ -42,6 +42,7 @@ from services.worker.layers.int8_linear import Int8PathSelector, quantize_model
 from services.worker.layers.layer_ops import LayerOps, TorchLayerOps
 from services.worker.layers.linear import MAX_GEMV_ROWS, add_float32_copies, can_prepack, prepack_cpu_weights
 from services.worker.layers.w8a8 import W8A8Kernels, int_mm_is_exact
+from services.worker.models.decode_stack import DecodeLayersKernel
 from services.worker.platforms.interface import AttentionHeads, Platform
 from services.worker.sampler import TorchSampler
 
@@ -62,14 +63,15 @@ class CpuPlatform(Platform):
                  native_bf16: bool | None = None, sampler: TorchSampler | None = None,
                  quantization: str = "none", gemv: Gemv | None = None,
                  int8_selector: Int8PathSelector | None = None, int8_gemv: Int8Gemv | None = None,
-                 w8a8: W8A8Kernels | None = None):
+                 w8a8: W8A8Kernels | None = None, decode_layers: DecodeLayersKernel | None = None):
         """`float32_copy`: 16-bit weights also get a float32 packed copy for batches, unless the CPU
         multiplies bfloat16 natively. `kv_cache_bytes`: the KV cache budget (default: the flag's).
         `native_bf16`: None asks this CPU (`cpu_has_native_bf16`). `quantization`: none or int8,
         whose kernel thresholds `int8_selector` measures (or finds stored).
         `gemv`: the compiled GEMV, which bfloat16 weights then keep their plain copy for.
         `int8_gemv`: the compiled GEMV for int8 weights (a few rows, bfloat16 or float32 x).
-        `w8a8`: the passes around the int8 GEMM that `--quantization w8a8` needs."""
+        `w8a8`: the passes around the int8 GEMM that `--quantization w8a8` needs.
+        `decode_layers`: the compiled decoder stack for few-row decode steps (models/decode_stack.py)."""
         if quantization == "w8a8" and w8a8 is None:
             raise ValueError("--quantization w8a8 needs the compiled CPU kernels, which did not build or load "
                              "here (see the log above); use --quantization int8")
@@ -86,6 +88,7 @@ class CpuPlatform(Platform):
         self.gemv = gemv
         self.int8_gemv = int8_gemv
         self.w8a8 = w8a8
+        self.decode_layers = decode_layers
 
     @classmethod
     def from_config(cls, config: WorkerConfig, dtype: torch.dtype, heads: AttentionHeads) -> CpuPlatform:
@@ -109,7 +112,8 @@ class CpuPlatform(Platform):
         return cls(dtype, backend, layer_ops, kv_cache_bytes=config.kv_cache_bytes,
                    float32_copy=config.cpu_float32_copy, sampler=sampler, quantization=config.quantization,
                    gemv=Gemv(kernels) if gemv_on else None, int8_gemv=Int8Gemv(kernels) if gemv_on else None,
-                   int8_selector=Int8PathSelector(cache_path=_cache_dir(config) / INT8_THRESHOLDS_FILE), w8a8=w8a8)
+                   int8_selector=Int8PathSelector(cache_path=_cache_dir(config) / INT8_THRESHOLDS_FILE), w8a8=w8a8,
+                   decode_layers=DecodeLayersKernel(kernels) if gemv_on and config.cpu_fused_decode else None)
 
     def process_weights_after_loading(self, model: nn.Module) -> str:
         if self.quantization in INT8_WEIGHT_QUANTIZATIONS:  # int8 weights are neither packed nor copied

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -18,6 +19,9 @@ from services.worker.config import RunnerConfig
 from services.worker.kv_cache import KVCacheLayout
 from services.worker.layers.layer_ops import LayerOps
 from services.worker.sampler import Sampler
+
+if TYPE_CHECKING:
+    from services.worker.models.decode_stack import DecodeLayersKernel
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,8 @@ class Platform(abc.ABC):
     layer_ops: LayerOps
     sampler: Sampler
     quantization: str = "none"  # of the matmul weights: none, or int8 (CPU)
+    # The compiled decoder stack for few-row decode steps (CPU, models/decode_stack.py), or None.
+    decode_layers: DecodeLayersKernel | None = None
 
     @abc.abstractmethod
     def process_weights_after_loading(self, model: nn.Module) -> str:

@@ -1,0 +1,178 @@
+"""A decode step's decoder layers in one compiled call (csrc/decode_layers.c), for steps of a few
+rows on the CPU.
+
+At one row a SmolLM2-135M layer is about 0.3 ms of kernels, and the nine calls that make it from
+Python (norms, GEMVs, RoPE + cache write, attention), with their tensors and checks, add a visible
+share on top. `DecodeStack` hands the whole stack to C, which runs the same kernels in the same order,
+so a step's hidden states are those of the layer-by-layer path bit for bit.
+
+`attach_decode_stack` gives one to a `LlamaModel` whose every layer qualifies: plain (unsharded)
+projections all on the bfloat16 GEMV (bfloat16 activations) or all on the int8 GEMV, biases in the
+activations' dtype, the compiled fused ops and paged-decode attention, SiLU. `LlamaModel.forward`
+then takes it for all-decode steps of up to the GEMVs' row limit whose KV cache is in the
+activations' dtype (an int8 cache has its own writer and kernel, and keeps the layer path).
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING
+
+import torch
+
+from services.worker.attention.cpu_backend import CpuAttentionBackend, CpuDecodeMetadata, KernelDecode
+from services.worker.attention.torch_backend import TorchAttentionMetadata
+from services.worker.layers.activation import SiluAndMul
+from services.worker.layers.fused_ops import CpuLayerOps
+from services.worker.layers.int8_gemv import MAX_INT8_GEMV_ROWS
+from services.worker.layers.linear import MAX_GEMV_ROWS, Linear, LinearBase, MergedLinear, QKVLinear
+
+if TYPE_CHECKING:
+    from services.worker.models.llama import LlamaModel
+
+_P, _I64, _F32, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
+_PP = ctypes.POINTER(ctypes.c_void_p)
+WEIGHTS_BF16, WEIGHTS_INT8 = 0, 1
+_PLAIN_LINEARS = (Linear, MergedLinear, QKVLinear)  # a sharded one (tensor parallelism) reduces after
+_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+class _Plan(ctypes.Structure):
+    """csrc/decode_layers.c's DecodeStack."""
+
+    _fields_ = [("num_layers", _I64), ("hidden", _I64), ("num_heads", _I64), ("num_kv_heads", _I64),
+                ("head_dim", _I64), ("intermediate", _I64), ("block_size", _I64), ("eps", _F32), ("scale", _F32),
+                ("weight_kind", _I32), ("input_norm", _PP), ("post_norm", _PP), ("weight", _PP * 4),
+                ("scales", _PP * 4), ("bias", _PP * 4), ("key_cache", _PP), ("value_cache", _PP),
+                ("final_norm", _P)]
+
+
+class DecodeLayersKernel:
+    """The bound C entry points, one per activation dtype."""
+
+    def __init__(self, library: ctypes.CDLL):
+        self._functions = {}
+        for dtype, suffix in _SUFFIXES.items():
+            function = getattr(library, f"decode_layers_{suffix}")
+            function.argtypes = [ctypes.POINTER(_Plan)] + [_P] * 6 + [_I64, _P, _I64, _I64, ctypes.c_int]
+            function.restype = ctypes.c_int
+            self._functions[dtype] = function
+
+    def function(self, dtype: torch.dtype):
+        return self._functions[dtype]
+
+
+def _pointers(tensors: list[torch.Tensor | None]):
+    return (ctypes.c_void_p * len(tensors))(*[None if t is None else t.data_ptr() for t in tensors])
+
+
+class DecodeStack:
+    """The layers of one `LlamaModel` as one call. Holds the model's tensors' addresses: the plan is
+    rebuilt whenever the runner binds other KV cache tensors."""
+
+    def __init__(self, model: LlamaModel, kernel: DecodeLayersKernel, dtype: torch.dtype, weight_kind: int,
+                 projections: list[list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]]):
+        self.model, self.dtype, self.weight_kind = model, dtype, weight_kind
+        self.max_num_rows = MAX_INT8_GEMV_ROWS if weight_kind == WEIGHTS_INT8 else MAX_GEMV_ROWS
+        self._function = kernel.function(dtype)
+        self._projections = projections  # per layer: (weight, scales, bias) of qkv, o, gate_up, down
+        self._caches: list[torch.Tensor] = []
+        self._plan: _Plan | None = None
+        self._keep: list = []  # the ctypes arrays the plan points into
+
+    def _bound_plan(self) -> _Plan | None:
+        attns = [layer.self_attn.attn for layer in self.model.layers]
+        if len(self._caches) == len(attns) and all(a.kv_cache is c for a, c in zip(attns, self._caches)):
+            return self._plan
+        caches = [a.kv_cache for a in attns]
+        if any(c is None or c.dtype != self.dtype or not c.is_contiguous() for c in caches):
+            self._caches, self._plan = [], None
+            return None
+        self._caches = caches
+        self._plan = self._build_plan(caches)
+        return self._plan
+
+    def _build_plan(self, caches: list[torch.Tensor]) -> _Plan:
+        layers, first = self.model.layers, self.model.layers[0]
+        attn, mlp = first.self_attn.attn, first.mlp
+        arrays = {
+            "input_norm": _pointers([layer.input_layernorm.weight for layer in layers]),
+            "post_norm": _pointers([layer.post_attention_layernorm.weight for layer in layers]),
+            "key_cache": _pointers([c[0] for c in caches]),
+            "value_cache": _pointers([c[1] for c in caches]),
+        }
+        per_proj = [[_pointers([p[i][part] for p in self._projections]) for i in range(4)] for part in range(3)]
+        plan = _Plan(num_layers=len(layers), hidden=self.model.norm.weight.shape[0], num_heads=attn.num_heads,
+                     num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+                     intermediate=mlp.down_proj.input_size, block_size=caches[0].shape[2],
+                     eps=first.input_layernorm.eps, scale=attn.scale, weight_kind=self.weight_kind,
+                     final_norm=self.model.norm.weight.data_ptr(), **arrays)
+        for name, arrays_of_part in zip(("weight", "scales", "bias"), per_proj):
+            field = getattr(plan, name)
+            for i, array in enumerate(arrays_of_part):
+                field[i] = ctypes.cast(array, _PP)
+        self._keep = [arrays, per_proj]
+        return plan
+
+    def accepts(self, hidden_states: torch.Tensor, attn_metadata) -> bool:
+        return (isinstance(attn_metadata, TorchAttentionMetadata) and attn_metadata.is_all_decode
+                and isinstance(attn_metadata.decode, CpuDecodeMetadata)
+                and 0 < hidden_states.shape[0] <= self.max_num_rows and hidden_states.dtype == self.dtype
+                and attn_metadata.slot_mapping.dtype == torch.int64 and attn_metadata.decode.seq_lens.dtype == torch.int64
+                and self._bound_plan() is not None)
+
+    def __call__(self, hidden_states: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                 attn_metadata: TorchAttentionMetadata) -> torch.Tensor:
+        """The final norm's output [T, hidden] for the step's embeddings `hidden_states` (as
+        `LlamaModel.forward` returns it); call only where `accepts` said yes."""
+        cos, sin = (t.contiguous() for t in rope)
+        hidden = hidden_states.contiguous()  # the embedding's fresh rows: overwritten in place
+        residual = torch.empty_like(hidden)
+        decode: CpuDecodeMetadata = attn_metadata.decode
+        status = self._function(ctypes.byref(self._plan), hidden.data_ptr(), residual.data_ptr(), cos.data_ptr(),
+                                sin.data_ptr(), attn_metadata.slot_mapping.data_ptr(), decode.block_table.data_ptr(),
+                                decode.block_table.stride(0), decode.seq_lens.data_ptr(), decode.max_seq_len,
+                                hidden.shape[0], torch.get_num_threads())
+        if status:
+            raise RuntimeError(f"decode layers: kernel status {status} ({'no memory' if status < 0 else 'bad heads'})")
+        return hidden
+
+
+def attach_decode_stack(model: LlamaModel, kernel: DecodeLayersKernel) -> str:
+    """Gives `model` a `DecodeStack` where every layer qualifies; returns why not, or ''."""
+    dtype = model.norm.weight.dtype
+    if dtype not in _SUFFIXES:
+        return f"activations in {dtype}"
+    kinds, projections = set(), []
+    for layer in model.layers:
+        attn = layer.self_attn.attn
+        if not (isinstance(attn.ops, CpuLayerOps) and isinstance(attn.backend, CpuAttentionBackend)
+                and isinstance(attn.backend.decode, KernelDecode) and isinstance(layer.mlp.act_fn, SiluAndMul)):
+            return "not on the compiled fused ops, paged-decode attention and SiLU"
+        row = []
+        for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            entry = _gemv_operands(proj, dtype)
+            if entry is None:
+                return f"{type(proj).__name__} not on a GEMV for {dtype}"
+            kinds.add(entry[0])
+            row.append(entry[1:])
+        projections.append(row)
+    if len(kinds) != 1:
+        return "bfloat16 and int8 GEMVs mixed"
+    model.decode_stack = DecodeStack(model, kernel, dtype, kinds.pop(), projections)
+    return ""
+
+
+def _gemv_operands(proj: LinearBase, dtype: torch.dtype):
+    """(weight kind, weight, scales, bias) where `proj` multiplies a few rows on a GEMV exactly as
+    the C stack calls it; None otherwise."""
+    if type(proj) not in _PLAIN_LINEARS:
+        return None
+    bias = proj.bias
+    if bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
+        return None  # the layer path adds such a bias after the GEMV, rounding twice
+    if proj.int8_weight is not None:
+        int8 = proj.int8_weight
+        return None if int8.gemv is None else (WEIGHTS_INT8, int8.qweight, int8.scales, bias)
+    if proj.gemv is not None and dtype == torch.bfloat16 and proj.weight.dtype == torch.bfloat16:
+        return WEIGHTS_BF16, proj.weight, None, bias
+    return None

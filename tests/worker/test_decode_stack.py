@@ -1,0 +1,116 @@
+"""The compiled decoder stack (models/decode_stack.py, csrc/decode_layers.c): few-row decode steps
+run every layer in one call, and must give the hidden states of the layer-by-layer path bit for
+bit; steps it does not take (prefills, more rows than the GEMVs take, an int8 KV cache) keep the
+layer path, and models it cannot run say why at load time."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.worker.config import RunnerConfig, WorkerConfig
+from services.worker.kv_cache import KVCacheLayout
+from services.worker.model_loader import load_config, load_model
+from services.worker.model_runner import ModelRunner
+from services.worker.models.decode_stack import DecodeStack
+from services.worker.platforms import AttentionHeads, build_platform
+from tests.worker.harness import VOCAB_SIZE, MiniScheduler
+
+BLOCK_SIZE = 4
+CONFIGS = [(torch.bfloat16, "none"), (torch.float32, "int8"), (torch.bfloat16, "int8")]
+
+
+def _runner(model_dir, dtype: torch.dtype, quantization: str, fused: bool, kv_cache_dtype: str = "auto"):
+    hf_config = load_config(model_dir)
+    config = WorkerConfig(quantization=quantization, cpu_fused_decode=fused, kv_cache_dtype=kv_cache_dtype)
+    platform = build_platform(config, torch.device("cpu"), dtype, AttentionHeads.from_hf_config(hf_config))
+    model = load_model(model_dir, platform, config=hf_config)
+    attn = model.attention_layers()
+    layout = KVCacheLayout(len(attn), attn[0].num_kv_heads, attn[0].head_dim, BLOCK_SIZE,
+                           torch.int8 if kv_cache_dtype == "int8" else dtype)
+    runner_config = RunnerConfig(block_size=BLOCK_SIZE, max_model_len=256, max_num_seqs=16,
+                                 max_num_batched_tokens=2048)
+    runner = ModelRunner(model, runner_config, torch.device("cpu"), platform.attention_backend, layout,
+                         vocab_size=hf_config.vocab_size, eos_token_ids=(2,))
+    runner.initialize_kv_cache(256)
+    return runner
+
+
+class _Recorder:
+    """Keeps every step's final hidden states, and the row counts the stack ran."""
+
+    def __init__(self, runner: ModelRunner):
+        self.hidden: list[torch.Tensor] = []
+        self.stack_rows: list[int] = []
+        model = runner.model
+        compute_logits = model.compute_logits
+        model.compute_logits = lambda h: (self.hidden.append(h.clone()), compute_logits(h))[1]
+        if model.model.decode_stack is not None:
+            model.model.decode_stack = _CountingStack(model.model.decode_stack, self.stack_rows)
+
+
+class _CountingStack:
+    def __init__(self, stack: DecodeStack, rows: list[int]):
+        self.stack, self.rows, self.max_num_rows = stack, rows, stack.max_num_rows
+
+    def accepts(self, hidden_states, attn_metadata) -> bool:
+        return self.stack.accepts(hidden_states, attn_metadata)
+
+    def __call__(self, hidden_states, rope, attn_metadata):
+        self.rows.append(hidden_states.shape[0])
+        return self.stack(hidden_states, rope, attn_metadata)
+
+
+def _run(runner: ModelRunner, prompt_lens: list[int], max_tokens: int = 8) -> tuple[_Recorder, list[list[int]]]:
+    recorder = _Recorder(runner)
+    generator = torch.Generator().manual_seed(11)
+    scheduler = MiniScheduler(block_size=BLOCK_SIZE, token_budget=32)  # chunked prefills beside decodes
+    for i, n in enumerate(prompt_lens):
+        scheduler.add(f"r{i}", torch.randint(3, VOCAB_SIZE, (n,), generator=generator).tolist(), max_tokens)
+    scheduler.run(runner)
+    return recorder, [scheduler.outputs(f"r{i}") for i in range(len(prompt_lens))]
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])  # Qwen2: biased q/k/v
+@pytest.mark.parametrize("dtype,quantization", CONFIGS, ids=["bf16", "f32-int8", "bf16-int8"])
+def test_the_stack_gives_the_layer_paths_hidden_states_bit_for_bit(model_fixture, dtype, quantization, request):
+    model_dir = request.getfixturevalue(model_fixture)
+    prompt_lens = [23, 9, 41, 16, 5]
+    layered, layered_tokens = _run(_runner(model_dir, dtype, quantization, fused=False), prompt_lens)
+    fused_runner = _runner(model_dir, dtype, quantization, fused=True)
+    stack = fused_runner.model.model.decode_stack
+    assert isinstance(stack, DecodeStack)
+    fused, fused_tokens = _run(fused_runner, prompt_lens)
+    assert fused.stack_rows and max(fused.stack_rows) <= stack.max_num_rows
+    assert len(fused.stack_rows) < len(fused.hidden)  # the prefill steps kept the layer path
+    assert fused_tokens == layered_tokens
+    assert len(fused.hidden) == len(layered.hidden)
+    for step, (a, b) in enumerate(zip(fused.hidden, layered.hidden)):
+        assert torch.equal(a, b), f"step {step}: largest difference {(a.float() - b.float()).abs().max()}"
+
+
+def test_steps_of_more_rows_than_the_gemv_takes_keep_the_layer_path(tiny_llama_dir):
+    runner = _runner(tiny_llama_dir, torch.bfloat16, "none", fused=True)
+    stack = runner.model.model.decode_stack
+    prompt_lens = [5 + i for i in range(stack.max_num_rows + 2)]
+    fused, fused_tokens = _run(runner, prompt_lens, max_tokens=6)
+    assert any(h.shape[0] > stack.max_num_rows for h in fused.hidden)  # such steps ran...
+    assert all(rows <= stack.max_num_rows for rows in fused.stack_rows)  # ...and not on the stack
+    _, layered_tokens = _run(_runner(tiny_llama_dir, torch.bfloat16, "none", fused=False), prompt_lens, max_tokens=6)
+    assert fused_tokens == layered_tokens
+
+
+def test_an_int8_kv_cache_keeps_the_layer_path(tiny_llama_dir, caplog):
+    caplog.set_level("INFO", logger="services.worker.model_loader")
+    runner = _runner(tiny_llama_dir, torch.bfloat16, "int8", fused=True, kv_cache_dtype="int8")
+    assert runner.model.model.decode_stack is None  # its cache has a writer and kernel of its own
+    assert "decode layers one by one (not on the compiled fused ops, paged-decode attention" in caplog.text
+    layered = _runner(tiny_llama_dir, torch.bfloat16, "int8", fused=False, kv_cache_dtype="int8")
+    assert _run(layered, [23, 9])[1] == _run(runner, [23, 9])[1]
+
+
+def test_a_model_off_the_gemvs_gets_no_stack_and_the_log_says_why(tiny_llama_dir, caplog):
+    caplog.set_level("INFO", logger="services.worker.model_loader")
+    runner = _runner(tiny_llama_dir, torch.float32, "none", fused=True)  # float32 weights: oneDNN, no GEMV
+    assert runner.model.model.decode_stack is None
+    assert "decode layers one by one (QKVLinear not on a GEMV for torch.float32)" in caplog.text
+    assert _runner(tiny_llama_dir, torch.bfloat16, "none", fused=False).model.model.decode_stack is None
