@@ -5,6 +5,7 @@ no library); and greedy tokens of tiny int8 models with it."""
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 import torch
@@ -18,15 +19,16 @@ from services.worker.layers.embedding import LMHead, VocabEmbedding
 from services.worker.layers.gemv import Gemv
 from services.worker.layers.int8_gemv import MAX_INT8_GEMV_ROWS, Int8Gemv
 from services.worker.layers.int8_kernels import dequantize, quantize_per_channel
-from services.worker.layers.int8_linear import Int8PathSelector, Int8Weight
+from services.worker.layers import int8_linear
+from services.worker.layers.int8_linear import Int8PathSelector, Int8Weight, quantize_model
 from services.worker.layers.layer_ops import TorchLayerOps
 from services.worker.layers.linear import Linear
 from services.worker.platforms import AttentionHeads, build_platform
 from services.worker.platforms.cpu import CpuPlatform
 from tests.worker import test_quantized_model
+from tests.worker.cpu_features import onednn_packs_bf16
 from tests.worker.kernel_builds import MARCHES, library_for
 from tests.worker.test_quantized_model import _greedy
-from tests.worker.cpu_features import onednn_packs_bf16
 
 _gemvs: dict[str, Int8Gemv] = {}
 
@@ -156,6 +158,50 @@ def test_linear_takes_the_gemv_up_to_the_row_limit_and_the_pytorch_paths_above(n
     int8.linear(torch.randn(1, 64).to(x_dtype), use_int8pack=True)  # the start-up timing names its kernel
     int8.linear(torch.randn(1, 64).to(x_dtype), use_int8pack=False)
     assert counting.calls == []
+    int8.max_gemv_rows = 64  # as the selector sets it where the GEMV won up to 64 rows
+    for num_rows in (32, 64, 65):
+        counting.calls.clear()
+        x = torch.randn(num_rows, 64).to(x_dtype)
+        out = int8.linear(x, bias)
+        assert counting.calls == ([num_rows] if num_rows <= 64 else [])
+        expected = F.linear(x.float(), dequantize(qweight, scales), bias.float())
+        torch.testing.assert_close(out.float(), expected, atol=0.05 if x_dtype == torch.bfloat16 else 1e-4,
+                                   rtol=2**-7 if x_dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("gemv_loses_from,expected", [
+    (32, MAX_INT8_GEMV_ROWS),  # the other path wins past 16 rows: the default limit stays
+    (128, 64),
+    (256, 128),  # one loss at the grid's end: nothing left to confirm it
+    (None, 256),  # the GEMV wins at every count timed: the grid's last
+])
+def test_the_selector_raises_the_gemv_limit_to_the_last_row_count_it_wins(native_gemv, monkeypatch, gemv_loses_from,
+                                                                           expected):
+    timed = []
+
+    def fake_time(self, fn):  # the GEMV first, then the layer's other path
+        num_rows = int8_linear.GEMV_ROW_GRID[len(timed) // 2]
+        is_gemv = len(timed) % 2 == 0
+        timed.append(num_rows)
+        gemv_wins = gemv_loses_from is None or num_rows < gemv_loses_from
+        return 1.0 if gemv_wins == is_gemv else 2.0
+
+    monkeypatch.setattr(Int8PathSelector, "_best_time", fake_time)
+    int8 = Int8Weight(*_int8_weight(96, 64, seed=1), native_bf16=True, max_int8pack_rows=16)
+    assert int8.use_gemv(native_gemv)
+    selector = Int8PathSelector()
+    assert selector.max_gemv_rows(int8, torch.bfloat16) == expected
+    assert selector.max_gemv_rows(int8, torch.bfloat16) == expected and len(timed) <= 2 * len(int8_linear.GEMV_ROW_GRID)
+
+
+def test_quantize_model_gives_each_weight_its_measured_gemv_limit(native_gemv, monkeypatch):
+    monkeypatch.setattr(Int8PathSelector, "max_gemv_rows", lambda self, weight, dtype: 32 if weight.shape[0] == 40 else 64)
+    modules = _tied_layers()
+    layer, _, head = modules
+    summary = quantize_model(modules, torch.float32, native_bf16=True, selector=Int8PathSelector(num_repeats=1),
+                             gemv=native_gemv)
+    assert (layer.int8_weight.max_gemv_rows, head.int8_weight.max_gemv_rows) == (32, 64)
+    assert summary.endswith(", 2 on the int8 GEMV up to 32-64 rows")
 
 
 def _tied_layers() -> nn.ModuleList:
@@ -174,9 +220,10 @@ def test_the_platform_hands_the_gemv_to_every_int8_weight_the_lm_head_included(n
     modules = _tied_layers().to(dtype)
     layer, embedding, head = modules
     summary = platform.process_weights_after_loading(modules)
-    assert summary.endswith(f", 2 on the int8 GEMV up to {MAX_INT8_GEMV_ROWS} rows")
+    assert re.search(r", 2 on the int8 GEMV up to \d+(-\d+)? rows$", summary)
     assert layer.int8_weight.gemv is counting and head.int8_weight.gemv is counting
     assert embedding.int8_weight is head.int8_weight
+    counting.calls.clear()  # the selector timed the GEMV through it
     x = torch.randn(3, 96).to(dtype)
     logits = head(x)
     assert counting.calls == [3]
@@ -209,8 +256,10 @@ dequantized_dirs = test_quantized_model.dequantized_dirs  # tiny Llamas whose we
 
 
 def _int8_runner(model_dir, dtype: torch.dtype, int8_gemv: Int8Gemv | None, monkeypatch):
-    """test_quantized_model's runner, its platform handed `int8_gemv`."""
+    """test_quantized_model's runner, its platform handed `int8_gemv`, which keeps the default row
+    limit (MAX_INT8_GEMV_ROWS: prefill chunks of more rows take the PyTorch int8 paths)."""
     monkeypatch.setattr(test_quantized_model, "CpuPlatform", functools.partial(CpuPlatform, int8_gemv=int8_gemv))
+    monkeypatch.setattr(Int8PathSelector, "max_gemv_rows", lambda self, weight, dtype: MAX_INT8_GEMV_ROWS)
     return test_quantized_model._runner(model_dir, dtype, "int8")
 
 

@@ -42,6 +42,7 @@ from services.worker.layers.int8_kernels import (
 logger = logging.getLogger(__name__)
 
 ROW_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # row counts timed at start-up
+GEMV_ROW_GRID = (32, 64, 128, 256)  # past MAX_INT8_GEMV_ROWS, where the GEMV is timed against the other path
 NO_LIMIT = 2**31  # int8pack_mm at every row count
 MIN_RUN_S = 0.002  # each timed run of a kernel lasts about this long
 
@@ -62,6 +63,7 @@ class Int8Weight:
         self.max_int8pack_rows = max_int8pack_rows if supports_int8pack(self.qweight) else 0
         self._scales_by_dtype = {torch.float32: self.scales}
         self.gemv: Int8Gemv | None = None
+        self.max_gemv_rows = MAX_INT8_GEMV_ROWS  # raised where the selector measured the GEMV faster
         self.w8a8: W8A8Kernels | None = None  # set: rows off the GEMV quantize their activations
 
     def use_gemv(self, gemv: Int8Gemv) -> bool:
@@ -92,7 +94,7 @@ class Int8Weight:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, use_int8pack: bool | None = None) -> torch.Tensor:
         """x W^T (+ b) in x's dtype; `use_int8pack` None: by the row count (the GEMV first)."""
         if use_int8pack is None:
-            if (self.gemv is not None and x.shape[0] <= MAX_INT8_GEMV_ROWS and x.dim() == 2
+            if (self.gemv is not None and x.shape[0] <= self.max_gemv_rows and x.dim() == 2
                     and x.dtype in Int8Gemv.DTYPES):
                 return self.gemv(x, self.qweight, self.scales, bias)
             if self.w8a8 is not None:
@@ -143,18 +145,33 @@ class Int8PathSelector:
             return 0
         key = (*weight.shape, dtype, weight.compute_dtype(dtype))
         if key not in self.thresholds:
-            if self._stored is None:
-                self._stored = self._load()
-            stored = self._stored.get(self._cache_key(key))
-            self.thresholds[key] = stored if isinstance(stored, int) else self._measure(weight, dtype)
-            self._save(key)
+            self._find(key, lambda: self._measure(weight, dtype))
             logger.info("int8 %dx%d %s: int8pack_mm up to %s rows, widened bf16/float32 GEMM above", key[0],
                         key[1], str(dtype).removeprefix("torch."),
                         "any" if self.thresholds[key] == NO_LIMIT else self.thresholds[key])
         return self.thresholds[key]
 
+    def max_gemv_rows(self, weight: Int8Weight, dtype: torch.dtype) -> int:
+        """Up to how many rows `weight` (on the GEMV, its int8pack threshold set) multiplies on the
+        GEMV: MAX_INT8_GEMV_ROWS, or the last count of GEMV_ROW_GRID before its other path won twice
+        in a row. On an AVX2-only CPU the widening GEMM ran SmolLM2's 32-row decode step at 213 ms
+        against 48 ms for 16 rows on the GEMV; on AVX-512 the GEMV's lead was 1.2x at 32 rows."""
+        key = (*weight.shape, dtype, weight.compute_dtype(dtype), "gemv")
+        if key not in self.thresholds:
+            self._find(key, lambda: self._measure_gemv(weight, dtype))
+            logger.info("int8 %dx%d %s: GEMV up to %d rows", key[0], key[1], str(dtype).removeprefix("torch."),
+                        self.thresholds[key])
+        return self.thresholds[key]
+
+    def _find(self, key: tuple, measure) -> None:
+        if self._stored is None:
+            self._stored = self._load()
+        stored = self._stored.get(self._cache_key(key))
+        self.thresholds[key] = stored if isinstance(stored, int) else measure()
+        self._save(key)
+
     @staticmethod
-    def _cache_key(key: tuple[int, int, torch.dtype, torch.dtype]) -> str:
+    def _cache_key(key: tuple) -> str:
         machine = f"{_cpu_model()}/{torch.backends.cpu.get_cpu_capability()}/{torch.get_num_threads()}t/torch-{torch.__version__}"
         dtypes = "/".join(str(d).removeprefix("torch.") for d in key[2:])
         return f"{machine}/{key[0]}x{key[1]}/{dtypes}"
@@ -169,7 +186,7 @@ class Int8PathSelector:
             return {}
         return stored if isinstance(stored, dict) else {}
 
-    def _save(self, key: tuple[int, int, torch.dtype, torch.dtype]) -> None:
+    def _save(self, key: tuple) -> None:
         name = self._cache_key(key)
         if self.cache_path is None or self._stored.get(name) == self.thresholds[key]:
             return
@@ -195,6 +212,20 @@ class Int8PathSelector:
                 if num_losses == 2:
                     return threshold
         return NO_LIMIT if num_losses == 0 else threshold
+
+    def _measure_gemv(self, weight: Int8Weight, dtype: torch.dtype) -> int:
+        threshold, num_losses = MAX_INT8_GEMV_ROWS, 0
+        for num_rows in GEMV_ROW_GRID:
+            x = torch.randn(num_rows, weight.shape[1]).to(dtype)
+            gemv_s = self._best_time(lambda: weight.gemv(x, weight.qweight, weight.scales))
+            other_s = self._best_time(lambda: weight.linear(x, use_int8pack=num_rows <= weight.max_int8pack_rows))
+            if gemv_s <= other_s:
+                threshold, num_losses = (num_rows if num_losses == 0 else threshold), 0
+            else:
+                num_losses += 1
+                if num_losses == 2:
+                    break
+        return threshold
 
     def _best_time(self, fn) -> float:
         """Seconds per call: the best of `num_repeats` runs of enough calls to last about 2 ms (a
@@ -236,6 +267,7 @@ def quantize_model(model: nn.Module, dtype: torch.dtype, native_bf16: bool,
     embeddings = {id(m.weight): m for m in model.modules() if isinstance(m, VocabEmbedding)}
     layers = [m for m in model.modules() if isinstance(m, LinearBase)]
     num_from_checkpoint = num_tied = num_gemv = 0
+    gemv_rows: list[int] = []
     float_bytes = int8_bytes = 0
     for layer in layers:
         float_bytes += layer.weight.numel() * layer.weight.element_size()
@@ -248,8 +280,11 @@ def quantize_model(model: nn.Module, dtype: torch.dtype, native_bf16: bool,
         int8.w8a8 = w8a8
         int8.max_int8pack_rows = 0 if w8a8 is not None else selector.max_int8pack_rows(int8, dtype)
         int8.scales_in(dtype)
-        if gemv is not None:
-            num_gemv += int8.use_gemv(gemv)
+        if gemv is not None and int8.use_gemv(gemv):
+            num_gemv += 1
+            if w8a8 is None:  # W8A8's int8 GEMM takes every row count above MAX_INT8_GEMV_ROWS
+                int8.max_gemv_rows = selector.max_gemv_rows(int8, dtype)
+            gemv_rows.append(int8.max_gemv_rows)
         tied = embeddings.get(id(layer.weight)) if isinstance(layer, LMHead) and layer.is_tied else None
         if tied is not None:
             tied.use_int8(int8, dtype)
@@ -258,5 +293,7 @@ def quantize_model(model: nn.Module, dtype: torch.dtype, native_bf16: bool,
         int8_bytes += int8.nbytes
     summary = (f"{len(layers)} matmul weights int8 ({num_from_checkpoint} from the checkpoint's Q8_0), "
                f"{float_bytes / 2**20:.0f} -> {int8_bytes / 2**20:.0f} MiB, {num_tied} tied embedding on int8 rows")
-    summary += f", {num_gemv} on the int8 GEMV up to {MAX_INT8_GEMV_ROWS} rows" if num_gemv else ""
+    if num_gemv:
+        low, high = min(gemv_rows), max(gemv_rows)
+        summary += f", {num_gemv} on the int8 GEMV up to {low if low == high else f'{low}-{high}'} rows"
     return summary + (", activations quantized per row above (W8A8, torch._int_mm)" if w8a8 is not None else "")

@@ -9,7 +9,7 @@ so a step's hidden states are those of the layer-by-layer path bit for bit.
 `attach_decode_stack` gives one to a `LlamaModel` whose every layer qualifies: plain (unsharded)
 projections all on the bfloat16 GEMV (bfloat16 activations) or all on the int8 GEMV, biases in the
 activations' dtype, the compiled fused ops and paged-decode attention, SiLU. `LlamaModel.forward`
-then takes it for all-decode steps of up to the GEMVs' row limit whose KV cache is in the
+then takes it for all-decode steps of up to the GEMVs' row limit (every layer's) whose KV cache is in the
 activations' dtype (an int8 cache has its own writer and kernel, and keeps the layer path).
 """
 from __future__ import annotations
@@ -23,7 +23,6 @@ from services.worker.attention.cpu_backend import CpuAttentionBackend, CpuDecode
 from services.worker.attention.torch_backend import TorchAttentionMetadata
 from services.worker.layers.activation import SiluAndMul
 from services.worker.layers.fused_ops import CpuLayerOps
-from services.worker.layers.int8_gemv import MAX_INT8_GEMV_ROWS
 from services.worker.layers.linear import MAX_GEMV_ROWS, Linear, LinearBase, MergedLinear, QKVLinear
 
 if TYPE_CHECKING:
@@ -70,9 +69,10 @@ class DecodeStack:
     rebuilt whenever the runner binds other KV cache tensors."""
 
     def __init__(self, model: LlamaModel, kernel: DecodeLayersKernel, dtype: torch.dtype, weight_kind: int,
-                 projections: list[list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]]):
+                 projections: list[list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]],
+                 max_num_rows: int):
         self.model, self.dtype, self.weight_kind = model, dtype, weight_kind
-        self.max_num_rows = MAX_INT8_GEMV_ROWS if weight_kind == WEIGHTS_INT8 else MAX_GEMV_ROWS
+        self.max_num_rows = max_num_rows
         self._function = kernel.function(dtype)
         self._projections = projections  # per layer: (weight, scales, bias) of qkv, o, gate_up, down
         self._caches: list[torch.Tensor] = []
@@ -142,7 +142,7 @@ def attach_decode_stack(model: LlamaModel, kernel: DecodeLayersKernel) -> str:
     dtype = model.norm.weight.dtype
     if dtype not in _SUFFIXES:
         return f"activations in {dtype}"
-    kinds, projections = set(), []
+    kinds, projections, max_rows = set(), [], []
     for layer in model.layers:
         attn = layer.self_attn.attn
         if not (isinstance(attn.ops, CpuLayerOps) and isinstance(attn.backend, CpuAttentionBackend)
@@ -154,11 +154,13 @@ def attach_decode_stack(model: LlamaModel, kernel: DecodeLayersKernel) -> str:
             if entry is None:
                 return f"{type(proj).__name__} not on a GEMV for {dtype}"
             kinds.add(entry[0])
+            max_rows.append(proj.int8_weight.max_gemv_rows if entry[0] == WEIGHTS_INT8 else MAX_GEMV_ROWS)
             row.append(entry[1:])
         projections.append(row)
     if len(kinds) != 1:
         return "bfloat16 and int8 GEMVs mixed"
-    model.decode_stack = DecodeStack(model, kernel, dtype, kinds.pop(), projections)
+    # Every layer's matmuls must be on their GEMV at the stack's row counts.
+    model.decode_stack = DecodeStack(model, kernel, dtype, kinds.pop(), projections, min(max_rows))
     return ""
 
 
