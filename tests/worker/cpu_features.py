@@ -20,4 +20,5 @@ def onednn_packs_bf16() -> bool:
 
 
 needs_bf16_packing = pytest.mark.skipif(
-    not onednn_packs_bf16(), reason="oneDNN packs no bfloat16 weights on this CPU (no AVX512BW/VL/DQ or AVX-NE-CONVERT)")
+    not onednn_packs_bf16(),
+    reason="oneDNN packs no bfloat16 weights on this CPU (no AVX512BW/VL/DQ or AVX-NE-CONVERT)")

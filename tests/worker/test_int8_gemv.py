@@ -195,7 +195,8 @@ def test_the_selector_raises_the_gemv_limit_to_the_last_row_count_it_wins(native
 
 
 def test_quantize_model_gives_each_weight_its_measured_gemv_limit(native_gemv, monkeypatch):
-    monkeypatch.setattr(Int8PathSelector, "max_gemv_rows", lambda self, weight, dtype: 32 if weight.shape[0] == 40 else 64)
+    monkeypatch.setattr(Int8PathSelector, "max_gemv_rows",
+                        lambda self, weight, dtype: 32 if weight.shape[0] == 40 else 64)
     modules = _tied_layers()
     layer, _, head = modules
     summary = quantize_model(modules, torch.float32, native_bf16=True, selector=Int8PathSelector(num_repeats=1),

@@ -67,7 +67,8 @@ static int project_f32(const DecodeStack *s, int p, int64_t l, const float *x, f
 
 static int project_bf16(const DecodeStack *s, int p, int64_t l, const uint16_t *x, uint16_t *y, int64_t m,
                         int64_t n, int64_t k) {
-  if (s->weight_kind == WEIGHTS_INT8) return gemv_int8_bf16(x, s->weight[p][l], s->scales[p][l], s->bias[p][l], y, m, n, k);
+  if (s->weight_kind == WEIGHTS_INT8)
+    return gemv_int8_bf16(x, s->weight[p][l], s->scales[p][l], s->bias[p][l], y, m, n, k);
   gemv_bf16(x, s->weight[p][l], s->bias[p][l], y, m, n, k);
   return 0;
 }

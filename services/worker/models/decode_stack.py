@@ -117,7 +117,8 @@ class DecodeStack:
         return (isinstance(attn_metadata, TorchAttentionMetadata) and attn_metadata.is_all_decode
                 and isinstance(attn_metadata.decode, CpuDecodeMetadata)
                 and 0 < hidden_states.shape[0] <= self.max_num_rows and hidden_states.dtype == self.dtype
-                and attn_metadata.slot_mapping.dtype == torch.int64 and attn_metadata.decode.seq_lens.dtype == torch.int64
+                and attn_metadata.slot_mapping.dtype == torch.int64
+                and attn_metadata.decode.seq_lens.dtype == torch.int64
                 and self._bound_plan() is not None)
 
     def __call__(self, hidden_states: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
