@@ -200,32 +200,22 @@ class Int8PathSelector:
             logger.warning("int8 thresholds not stored in %s: %s", self.cache_path, exc)
 
     def _measure(self, weight: Int8Weight, dtype: torch.dtype) -> int:
-        threshold, num_losses = 0, 0
-        for num_rows in ROW_GRID:
+        def int8pack_wins(num_rows: int) -> bool:
             x = torch.randn(num_rows, weight.shape[1]).to(dtype)
             int8pack_s = self._best_time(lambda: weight.linear(x, use_int8pack=True))
-            widened_s = self._best_time(lambda: weight.linear(x, use_int8pack=False))
-            if int8pack_s <= widened_s:
-                threshold, num_losses = (num_rows if num_losses == 0 else threshold), 0
-            else:
-                num_losses += 1
-                if num_losses == 2:
-                    return threshold
-        return NO_LIMIT if num_losses == 0 else threshold
+            return int8pack_s <= self._best_time(lambda: weight.linear(x, use_int8pack=False))
+
+        threshold, never_lost = _last_win(ROW_GRID, int8pack_wins, 0)
+        return NO_LIMIT if never_lost else threshold
 
     def _measure_gemv(self, weight: Int8Weight, dtype: torch.dtype) -> int:
-        threshold, num_losses = MAX_INT8_GEMV_ROWS, 0
-        for num_rows in GEMV_ROW_GRID:
+        def gemv_wins(num_rows: int) -> bool:
             x = torch.randn(num_rows, weight.shape[1]).to(dtype)
+            use_int8pack = num_rows <= weight.max_int8pack_rows  # the path these rows take off the GEMV
             gemv_s = self._best_time(lambda: weight.gemv(x, weight.qweight, weight.scales))
-            other_s = self._best_time(lambda: weight.linear(x, use_int8pack=num_rows <= weight.max_int8pack_rows))
-            if gemv_s <= other_s:
-                threshold, num_losses = (num_rows if num_losses == 0 else threshold), 0
-            else:
-                num_losses += 1
-                if num_losses == 2:
-                    break
-        return threshold
+            return gemv_s <= self._best_time(lambda: weight.linear(x, use_int8pack=use_int8pack))
+
+        return _last_win(GEMV_ROW_GRID, gemv_wins, MAX_INT8_GEMV_ROWS)[0]
 
     def _best_time(self, fn) -> float:
         """Seconds per call: the best of `num_repeats` runs of enough calls to last about 2 ms (a
@@ -240,6 +230,21 @@ class Int8PathSelector:
                 fn()
             best = min(best, (time.perf_counter() - start) / num_calls)
         return best
+
+
+def _last_win(grid: tuple[int, ...], wins, threshold: int) -> tuple[int, bool]:
+    """The last row count of `grid` where `wins(num_rows)` held before it first failed twice in a
+    row (`threshold` if it never held; one failure is not enough), and whether it never failed.
+    Counts after the second failure are not timed."""
+    num_losses = 0
+    for num_rows in grid:
+        if wins(num_rows):
+            threshold, num_losses = (num_rows if num_losses == 0 else threshold), 0
+        else:
+            num_losses += 1
+            if num_losses == 2:
+                return threshold, False
+    return threshold, num_losses == 0
 
 
 def _cpu_model() -> str:

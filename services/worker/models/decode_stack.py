@@ -75,12 +75,13 @@ class DecodeStack:
         self.max_num_rows = max_num_rows
         self._function = kernel.function(dtype)
         self._projections = projections  # per layer: (weight, scales, bias) of qkv, o, gate_up, down
+        self._attns = [layer.self_attn.attn for layer in model.layers]  # read every step: no module lookups
         self._caches: list[torch.Tensor] = []
         self._plan: _Plan | None = None
         self._keep: list = []  # the ctypes arrays the plan points into
 
     def _bound_plan(self) -> _Plan | None:
-        attns = [layer.self_attn.attn for layer in self.model.layers]
+        attns = self._attns
         if len(self._caches) == len(attns) and all(a.kv_cache is c for a, c in zip(attns, self._caches)):
             return self._plan
         caches = [a.kv_cache for a in attns]
