@@ -79,6 +79,12 @@ def make_servers(names: list[str], dtype: str, install: bool, bf16_max_concurren
                                    note=f"bfloat16 weights and KV cache ({matmuls}); c<={bf16_max_concurrency} only")
             server.max_concurrency = bf16_max_concurrency
             servers.append(server)
+        elif name == "spindle-bf16-gemv":  # the same without the column tiles, for the comparison
+            server = SpindleServer(name, env={"SPINDLE_DTYPE": "bfloat16", "SPINDLE_CPU_GEMM_TILES": "false"},
+                                   note="bfloat16 as spindle-bf16 with --cpu-gemm-tiles false: the plain GEMV up "
+                                        f"to 8 rows, oneDNN above; c<={bf16_max_concurrency} only")
+            server.max_concurrency = bf16_max_concurrency
+            servers.append(server)
         elif name == "spindle-int8":
             server = SpindleServer("spindle-int8", env={"SPINDLE_DTYPE": "bfloat16", "SPINDLE_QUANTIZATION": "int8"},
                                    note="weight-only int8 matmul weights (per-channel scales), bfloat16 activations "

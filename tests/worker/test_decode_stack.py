@@ -11,17 +11,24 @@ from services.worker.config import RunnerConfig, WorkerConfig
 from services.worker.kv_cache import KVCacheLayout
 from services.worker.model_loader import load_config, load_model
 from services.worker.model_runner import ModelRunner
-from services.worker.models.decode_stack import DecodeStack
+from services.worker.models.decode_stack import WEIGHTS_BF16, WEIGHTS_BF16_TILES, DecodeStack
 from services.worker.platforms import AttentionHeads, build_platform
+from services.worker.platforms import cpu as cpu_platform
 from tests.worker.harness import VOCAB_SIZE, MiniScheduler
 
 BLOCK_SIZE = 4
-CONFIGS = [(torch.bfloat16, "none"), (torch.float32, "int8"), (torch.bfloat16, "int8")]
+# bf16 takes the column tiles where the kernels have them (AVX512_BF16), else the plain GEMV;
+# "bf16-gemv" turns the tiles off, so such machines run both.
+CONFIGS = [(torch.bfloat16, "none", True), (torch.bfloat16, "none", False), (torch.float32, "int8", True),
+           (torch.bfloat16, "int8", True)]
+CONFIG_IDS = ["bf16", "bf16-gemv", "f32-int8", "bf16-int8"]
 
 
-def _runner(model_dir, dtype: torch.dtype, quantization: str, fused: bool, kv_cache_dtype: str = "auto"):
+def _runner(model_dir, dtype: torch.dtype, quantization: str, fused: bool, kv_cache_dtype: str = "auto",
+            tiles: bool = True):
     hf_config = load_config(model_dir)
-    config = WorkerConfig(quantization=quantization, cpu_fused_decode=fused, kv_cache_dtype=kv_cache_dtype)
+    config = WorkerConfig(quantization=quantization, cpu_fused_decode=fused, kv_cache_dtype=kv_cache_dtype,
+                          cpu_gemm_tiles=tiles)
     platform = build_platform(config, torch.device("cpu"), dtype, AttentionHeads.from_hf_config(hf_config))
     model = load_model(model_dir, platform, config=hf_config)
     attn = model.attention_layers()
@@ -71,14 +78,17 @@ def _run(runner: ModelRunner, prompt_lens: list[int], max_tokens: int = 8) -> tu
 
 
 @pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])  # Qwen2: biased q/k/v
-@pytest.mark.parametrize("dtype,quantization", CONFIGS, ids=["bf16", "f32-int8", "bf16-int8"])
-def test_the_stack_gives_the_layer_paths_hidden_states_bit_for_bit(model_fixture, dtype, quantization, request):
+@pytest.mark.parametrize("dtype,quantization,tiles", CONFIGS, ids=CONFIG_IDS)
+def test_the_stack_gives_the_layer_paths_hidden_states_bit_for_bit(model_fixture, dtype, quantization, tiles,
+                                                                   request):
     model_dir = request.getfixturevalue(model_fixture)
     prompt_lens = [23, 9, 41, 16, 5]
-    layered, layered_tokens = _run(_runner(model_dir, dtype, quantization, fused=False), prompt_lens)
-    fused_runner = _runner(model_dir, dtype, quantization, fused=True)
+    layered, layered_tokens = _run(_runner(model_dir, dtype, quantization, fused=False, tiles=tiles), prompt_lens)
+    fused_runner = _runner(model_dir, dtype, quantization, fused=True, tiles=tiles)
     stack = fused_runner.model.model.decode_stack
     assert isinstance(stack, DecodeStack)
+    if dtype == torch.bfloat16 and quantization == "none" and not tiles:
+        assert stack.weight_kind == WEIGHTS_BF16
     fused, fused_tokens = _run(fused_runner, prompt_lens)
     assert fused.stack_rows and max(fused.stack_rows) <= stack.max_num_rows
     assert len(fused.stack_rows) < len(fused.hidden)  # the prefill steps kept the layer path
@@ -88,14 +98,33 @@ def test_the_stack_gives_the_layer_paths_hidden_states_bit_for_bit(model_fixture
         assert torch.equal(a, b), f"step {step}: largest difference {(a.float() - b.float()).abs().max()}"
 
 
-def test_steps_of_more_rows_than_the_gemv_takes_keep_the_layer_path(tiny_llama_dir):
-    runner = _runner(tiny_llama_dir, torch.bfloat16, "none", fused=True)
+def test_the_tiled_stack_takes_steps_of_more_rows_than_the_plain_gemv(tiny_llama_dir):
+    """Twelve requests: decode steps of 9-12 rows, above the plain GEMV's 8, run on the stack where
+    the weights are in column tiles, with the layer path's hidden states."""
+    fused_runner = _runner(tiny_llama_dir, torch.bfloat16, "none", fused=True)
+    if fused_runner.model.model.decode_stack.weight_kind != WEIGHTS_BF16_TILES:
+        pytest.skip("the CPU kernels have no column tiles here (built without AVX512_BF16)")
+    prompt_lens = [2 + i % 2 for i in range(12)]  # 30 tokens: one prefill step within the 32-token budget
+    fused, fused_tokens = _run(fused_runner, prompt_lens, max_tokens=6)
+    assert max(fused.stack_rows) > 8
+    layered, layered_tokens = _run(_runner(tiny_llama_dir, torch.bfloat16, "none", fused=False), prompt_lens,
+                                   max_tokens=6)
+    assert fused_tokens == layered_tokens
+    assert all(torch.equal(a, b) for a, b in zip(fused.hidden, layered.hidden))
+
+
+@pytest.mark.parametrize("tiles", [True, False], ids=["tiles", "gemv"])
+def test_steps_of_more_rows_than_the_gemv_takes_keep_the_layer_path(tiny_llama_dir, tiles, monkeypatch):
+    # The tiles' limit (256 rows) lowered, so that a small runner can run steps above it.
+    monkeypatch.setattr(cpu_platform, "_max_tile_rows", lambda: 6)
+    runner = _runner(tiny_llama_dir, torch.bfloat16, "none", fused=True, tiles=tiles)
     stack = runner.model.model.decode_stack
     prompt_lens = [5 + i for i in range(stack.max_num_rows + 2)]
     fused, fused_tokens = _run(runner, prompt_lens, max_tokens=6)
     assert any(h.shape[0] > stack.max_num_rows for h in fused.hidden)  # such steps ran...
     assert all(rows <= stack.max_num_rows for rows in fused.stack_rows)  # ...and not on the stack
-    _, layered_tokens = _run(_runner(tiny_llama_dir, torch.bfloat16, "none", fused=False), prompt_lens, max_tokens=6)
+    _, layered_tokens = _run(_runner(tiny_llama_dir, torch.bfloat16, "none", fused=False, tiles=tiles), prompt_lens,
+                             max_tokens=6)
     assert fused_tokens == layered_tokens
 
 

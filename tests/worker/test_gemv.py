@@ -1,6 +1,7 @@
-"""The compiled GEMV (csrc/gemv.c) against a float32 matmul of the same bfloat16 values, the
-dispatch of `LinearBase.forward` to it for a few rows, the platform without the library, and
-greedy tokens of a tiny Llama and Qwen2 in bfloat16 with the GEMV on and off."""
+"""The compiled GEMV (csrc/gemv.c) and the column tiles (csrc/gemm_tiles.c, AVX512_BF16 builds)
+against a float32 matmul of the same bfloat16 values, the dispatch of `LinearBase.forward` to them,
+the platform without the library, and greedy tokens of a tiny Llama and Qwen2 in bfloat16 with the
+GEMV on and off."""
 from __future__ import annotations
 
 import functools
@@ -15,7 +16,7 @@ from services.worker.config import WorkerConfig
 from services.worker.layers.embedding import LMHead, VocabEmbedding
 from services.worker.layers.gemv import Gemv, use_gemv
 from services.worker.layers.layer_ops import TorchLayerOps
-from services.worker.layers.linear import MAX_GEMV_ROWS, Linear
+from services.worker.layers.linear import MAX_GEMV_ROWS, MAX_TILE_ROWS, Linear
 from services.worker.platforms import AttentionHeads, build_platform
 from services.worker.platforms import cpu as cpu_platform
 from services.worker.platforms.cpu import CpuPlatform
@@ -36,8 +37,15 @@ def gemv(kernel_cache) -> Gemv:
     return Gemv(library)
 
 
+@pytest.fixture(scope="module")
+def tiles(gemv) -> Gemv:
+    if not gemv.has_tiles:
+        pytest.skip("the CPU kernels have no column tiles here (built without AVX512_BF16)")
+    return gemv
+
+
 class CountingGemv(Gemv):
-    """Counts the rows of each call, then multiplies."""
+    """Counts the rows of each call, on the plain GEMV or the tiles, then multiplies."""
 
     def __init__(self, inner: Gemv):
         self.__dict__.update(inner.__dict__)
@@ -46,6 +54,10 @@ class CountingGemv(Gemv):
     def __call__(self, x, weight, bias=None):
         self.calls.append(x.shape[0])
         return super().__call__(x, weight, bias)
+
+    def tiles(self, x, weight, bias=None):
+        self.calls.append(x.shape[0])
+        return super().tiles(x, weight, bias)
 
 
 def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -72,6 +84,37 @@ def test_gemv_matches_a_float32_matmul_of_the_same_values(gemv, num_out, num_in,
         if x_dtype == torch.bfloat16:  # plus the output's rounding, half a bfloat16 ulp
             bound = bound + expected.abs() * 2.0**-8
         assert ((out.float() - expected).abs() <= bound).all(), (num_rows, (out.float() - expected).abs().max())
+
+
+# N: a multiple of the 16-column tile and of the 3-tile panel, neither, fewer than a tile; K: odd
+# (a last pair of one), shorter than a pair's vector; rows: within one 8-row block, across blocks.
+@pytest.mark.parametrize("num_out,num_in", [(96, 576), (37, 101), (3, 7), (130, 1536), (1000, 45), (20, 1)])
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_tiles_match_a_float32_matmul_of_the_same_values(tiles, num_out, num_in, has_bias):
+    torch.manual_seed(num_out * num_in)
+    weight = torch.randn(num_out, num_in).bfloat16()
+    bias = torch.randn(num_out).bfloat16() if has_bias else None
+    tiled = tiles.pack_tiles(weight)
+    for num_rows in (1, 2, 7, 8, 9, 17, 64):
+        x = torch.randn(num_rows, num_in).bfloat16()
+        out = tiles.tiles(x, tiled, bias)
+        assert out.dtype == torch.bfloat16 and out.shape == (num_rows, num_out)
+        expected = _reference(x, weight, bias)
+        bound = (x.float().abs() @ weight.float().abs().t()) * 1e-6 + 1e-6 + expected.abs() * 2.0**-8
+        assert ((out.float() - expected).abs() <= bound).all(), (num_rows, (out.float() - expected).abs().max())
+
+
+def test_tiles_round_as_pytorch_does_and_refuse_what_they_cannot_multiply(tiles):
+    torch.manual_seed(0)
+    weight = torch.randint(-8, 9, (50, 96)).bfloat16()
+    x = torch.randint(-8, 9, (11, 96)).bfloat16() * 1.0078125  # sums need 15 bits, bf16 keeps 8
+    bias = torch.randint(-4, 5, (50,)).bfloat16()
+    tiled = tiles.pack_tiles(weight)
+    assert torch.equal(tiles.tiles(x, tiled, bias), _reference(x, weight, bias).bfloat16())
+    with pytest.raises(ValueError):
+        tiles.tiles(x.float(), tiled)  # bfloat16 activations only
+    with pytest.raises(ValueError):
+        tiles.tiles(x[:, :95], tiled)
 
 
 def test_gemv_rounds_bfloat16_outputs_as_pytorch_does(gemv):
@@ -111,16 +154,22 @@ def test_linear_takes_the_gemv_for_a_few_rows_and_onednn_or_the_copy_above(gemv,
     modules = _bf16_layer_and_head()
     plain = [m.weight.detach().clone() for m in modules]
     summary = platform.process_weights_after_loading(modules)
-    assert summary.endswith(f", 2 on the GEMV up to {MAX_GEMV_ROWS} rows")
+    max_rows = gemv.max_tile_rows if gemv.has_tiles else MAX_GEMV_ROWS
+    assert summary.endswith(f", 2 in column tiles up to {max_rows} rows" if gemv.has_tiles
+                            else f", 2 on the GEMV up to {MAX_GEMV_ROWS} rows")
     assert summary.startswith("2 matmul weights prepacked, 0" if native_bf16 else "0 matmul weights prepacked, 2")
     for module, weight in zip(modules, plain):
-        assert module.gemv is counting and torch.equal(module.weight, weight)  # the plain weight is kept
-        assert module.packed_weight is not None
-        for num_rows in (1, MAX_GEMV_ROWS, MAX_GEMV_ROWS + 1, 17):
+        assert module.gemv is counting and module.packed_weight is not None
+        assert (module.gemv_tiles is not None) == gemv.has_tiles
+        # The GEMV needs the plain weight; the tiles replace it, unless a tied embedding reads it or
+        # nothing packed it (the float32 copy sits beside it).
+        keeps_plain = not gemv.has_tiles or module.keeps_weight_when_packed or not native_bf16
+        assert torch.equal(module.weight, weight) if keeps_plain else module.weight.numel() == 0
+        for num_rows in (1, MAX_GEMV_ROWS, MAX_GEMV_ROWS + 1, 17, max_rows, max_rows + 1):
             counting.calls.clear()
             x = torch.randn(num_rows, 96).bfloat16()
             out = module(x)
-            assert counting.calls == ([num_rows] if num_rows <= MAX_GEMV_ROWS else [])
+            assert counting.calls == ([num_rows] if num_rows <= max_rows else [])
             bias = module.bias
             expected = _reference(x, weight, bias)
             assert torch.allclose(out.float(), expected, rtol=2**-7, atol=1e-2)
@@ -164,7 +213,7 @@ def test_greedy_tokens_of_a_bf16_model_are_the_same_with_the_gemv_on_and_off(mod
     counting = CountingGemv(gemv)
     monkeypatch.setattr(harness, "CpuPlatform", functools.partial(CpuPlatform, gemv=counting))
     with_gemv = _bf16_greedy_tokens(model_dir, prompts)
-    assert counting.calls and max(counting.calls) <= MAX_GEMV_ROWS
+    assert counting.calls and max(counting.calls) <= (gemv.max_tile_rows if gemv.has_tiles else MAX_GEMV_ROWS)
     assert with_gemv == without
     assert all(len(tokens) == 8 for tokens in with_gemv.values())
 
@@ -185,6 +234,26 @@ def test_cpu_gemv_off_keeps_every_weight_packed_only(kernel_cache):
     assert platform.gemv is None
     assert build_platform(WorkerConfig(cache_dir=str(kernel_cache)), torch.device("cpu"), torch.bfloat16,
                           AttentionHeads(4, 2, 64)).gemv is not None
+    untiled = build_platform(WorkerConfig(cache_dir=str(kernel_cache), cpu_gemm_tiles=False), torch.device("cpu"),
+                             torch.bfloat16, AttentionHeads(4, 2, 64))
+    assert untiled.gemv is not None and not untiled.gemv.has_tiles  # --cpu-gemm-tiles false: the plain GEMV
     modules = _bf16_layer_and_head()
     assert "GEMV" not in platform.process_weights_after_loading(modules)
     assert all(m.gemv is None for m in modules)
+
+
+def test_with_amx_the_tiles_stop_where_a_matmul_only_streams_its_weight(kernel_cache, monkeypatch):
+    """oneDNN multiplies on AMX where the CPU has it, which the tiles were not measured against: they
+    then take only the rows the plain GEMV took."""
+    monkeypatch.setattr(cpu_platform, "cpu_has_amx_bf16", lambda: True)
+    platform = build_platform(WorkerConfig(cache_dir=str(kernel_cache)), torch.device("cpu"), torch.bfloat16,
+                              AttentionHeads(4, 2, 64))
+    assert platform.gemv.max_tile_rows == MAX_GEMV_ROWS
+    monkeypatch.setattr(cpu_platform, "cpu_has_amx_bf16", lambda: False)
+    platform = build_platform(WorkerConfig(cache_dir=str(kernel_cache)), torch.device("cpu"), torch.bfloat16,
+                              AttentionHeads(4, 2, 64))
+    assert platform.gemv.max_tile_rows == MAX_TILE_ROWS
+    if platform.gemv.has_tiles:
+        modules = _bf16_layer_and_head()
+        platform.process_weights_after_loading(modules)
+        assert all(m.gemv_tiles.max_rows == MAX_TILE_ROWS for m in modules)

@@ -5,9 +5,9 @@
  * order on the same buffers, so its results are those of the layer-by-layer path bit for bit.
  *
  * Llama-family layers only (pre-norm, fused q/k/v and gate/up, rotate-half RoPE, SiLU), with every
- * matmul on a GEMV: bfloat16 weights (gemv.c) for bfloat16 activations, or int8 weights with float32
- * per-channel scales (gemv_int8.c) for float32 or bfloat16 activations; the KV cache in the
- * activations' dtype. The caller checks that a model and a step qualify. */
+ * matmul on a GEMV: bfloat16 weights (gemv.c, or their column tiles: gemm_tiles.c) for bfloat16
+ * activations, or int8 weights with float32 per-channel scales (gemv_int8.c) for float32 or
+ * bfloat16 activations; the KV cache in the activations' dtype. The caller checks that a model and a step qualify. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,6 +29,8 @@ void rope_cache_bf16(uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, co
                      int64_t num_kv_heads, int64_t head_dim);
 void gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t m, int64_t n,
                int64_t k);
+int gemm_tiles_bf16(const uint16_t *x, const uint16_t *wt, const uint16_t *bias, uint16_t *y, int64_t m_size,
+                    int64_t n_size, int64_t k_size);
 int gemv_int8_f32(const float *x, const int8_t *q, const float *scales, const float *bias, float *y, int64_t m,
                   int64_t n, int64_t k);
 int gemv_int8_bf16(const uint16_t *x, const int8_t *q, const float *scales, const uint16_t *bias, uint16_t *y,
@@ -43,12 +45,12 @@ int paged_decode_bf16(const float *query, const uint16_t *key_cache, const uint1
                       int64_t num_reqs, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
                       int64_t max_seq_len, float *scratch, int num_threads);
 
-enum { WEIGHTS_BF16 = 0, WEIGHTS_INT8 = 1 };
+enum { WEIGHTS_BF16 = 0, WEIGHTS_INT8 = 1, WEIGHTS_BF16_TILES = 2 };
 enum { PROJ_QKV = 0, PROJ_O = 1, PROJ_GATE_UP = 2, PROJ_DOWN = 3, NUM_PROJ = 4 };
 
 /* The model, filled once by decode_stack.py; the arrays hold num_layers entries each. For every
- * projection: its weight (bfloat16 or int8 [out, in]), int8 scales (float32 [out], NULL for bf16)
- * and bias (the activations' dtype, or NULL). */
+ * projection: its weight (bfloat16 or int8 [out, in], or bfloat16 column tiles), int8 scales
+ * (float32 [out], NULL for bf16) and bias (the activations' dtype, or NULL). */
 typedef struct {
   int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
   float eps, scale;
@@ -69,6 +71,7 @@ static int project_bf16(const DecodeStack *s, int p, int64_t l, const uint16_t *
                         int64_t n, int64_t k) {
   if (s->weight_kind == WEIGHTS_INT8)
     return gemv_int8_bf16(x, s->weight[p][l], s->scales[p][l], s->bias[p][l], y, m, n, k);
+  if (s->weight_kind == WEIGHTS_BF16_TILES) return gemm_tiles_bf16(x, s->weight[p][l], s->bias[p][l], y, m, n, k);
   gemv_bf16(x, s->weight[p][l], s->bias[p][l], y, m, n, k);
   return 0;
 }

@@ -6,31 +6,54 @@ about 11 ms on the GEMV against 14-17 ms on the prepacked oneDNN weight (2-core 
 docs/benchmarks.md). The GEMV reads the checkpoint layout [out, in], so a layer that uses it keeps
 its plain weight; `use_gemv` marks the layers, `LinearBase.forward` takes the GEMV for x of at
 most `MAX_GEMV_ROWS` (linear.py) rows.
+
+Where the library is built with AVX512_BF16, each such weight is instead repacked once into column
+tiles (`TiledWeight`, csrc/gemm_tiles.c), which multiply without horizontal sums: as fast as the
+GEMV at one row and faster than oneDNN's prepacked GEMM up to `MAX_TILE_ROWS` (linear.py) rows, so
+the layers then use the tiles for every matmul of that many rows or fewer and keep no plain weight.
 """
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from services.worker.layers.linear import LinearBase
+from services.worker.layers.linear import MAX_TILE_ROWS, LinearBase
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _OUT_DTYPES = (torch.bfloat16, torch.float32)  # x's dtype, which the output takes
+
+
+@dataclass(frozen=True)
+class TiledWeight:
+    """A bfloat16 weight [n_size, k_size] in gemm_tiles.c's packed column tiles."""
+
+    data: torch.Tensor
+    n_size: int
+    k_size: int
+    max_rows: int  # `LinearBase.forward` and the decoder stack take the tiles up to this many rows
 
 
 class Gemv:
     """y = x W^T (+ b) for x [M, K] in bfloat16 or float32, W [N, K] bfloat16 contiguous, b [N]
     bfloat16 or None; y [M, N] in x's dtype, summed in float32."""
 
-    def __init__(self, library: ctypes.CDLL):
+    def __init__(self, library: ctypes.CDLL, use_tiles: bool = True, max_tile_rows: int = MAX_TILE_ROWS):
         self._functions = {}
         for dtype, name in zip(_OUT_DTYPES, ("gemv_bf16", "gemv_f32")):
             function = getattr(library, name)
             function.argtypes, function.restype = [_P] * 4 + [_I64] * 3, None
             self._functions[dtype] = function
         self.has_bf16_dot = bool(library.gemv_has_bf16_dot())  # AVX512_BF16 dot products, else widened
+        self.has_tiles = use_tiles and bool(library.gemm_tiles_available())  # built with AVX512_BF16
+        self._tiles, self._pack = library.gemm_tiles_bf16, library.gemm_tiles_pack
+        self._tiles_numel = library.gemm_tiles_numel
+        self.max_tile_rows = max_tile_rows
+        self._tiles.argtypes, self._tiles.restype = [_P] * 4 + [_I64] * 3, ctypes.c_int
+        self._pack.argtypes, self._pack.restype = [_P, _P, _I64, _I64], None
+        self._tiles_numel.argtypes, self._tiles_numel.restype = [_I64, _I64], _I64
 
     @staticmethod
     def supports_weight(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -50,10 +73,32 @@ class Gemv:
         return out
 
 
+    def pack_tiles(self, weight: torch.Tensor) -> TiledWeight:
+        """`weight` [N, K] (as `supports_weight` accepts it) repacked into column tiles."""
+        n_size, k_size = weight.shape
+        data = torch.empty(self._tiles_numel(n_size, k_size), dtype=torch.bfloat16)
+        self._pack(weight.data_ptr(), data.data_ptr(), n_size, k_size)
+        return TiledWeight(data, n_size, k_size, self.max_tile_rows)
+
+    def tiles(self, x: torch.Tensor, weight: TiledWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """y = x W^T (+ b) for bfloat16 x [M, K] on the tiled W; y [M, N] bfloat16."""
+        if not self.has_tiles or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != weight.k_size:
+            raise ValueError(f"tiled GEMM: x {x.dtype} {tuple(x.shape)} against a tiled weight "
+                             f"[{weight.n_size}, {weight.k_size}]")
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], weight.n_size, dtype=torch.bfloat16)
+        self._tiles(x.data_ptr(), weight.data.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+                    x.shape[0], weight.n_size, weight.k_size)
+        return out
+
+
 def use_gemv(model: nn.Module, gemv: Gemv) -> int:
     """Hands `gemv` to every matmul layer of `model` whose weight it supports; returns how many.
-    Run before prepacking: a layer with the GEMV keeps its plain weight beside a packed one."""
+    Run before prepacking: a layer with the GEMV keeps its plain weight beside a packed one, or, where
+    the library has the column tiles, the tiled weight."""
     layers = [m for m in model.modules() if isinstance(m, LinearBase) and Gemv.supports_weight(m.weight, m.bias)]
     for layer in layers:
         layer.gemv = gemv
+        if gemv.has_tiles:
+            layer.gemv_tiles = gemv.pack_tiles(layer.weight)
     return len(layers)

@@ -23,7 +23,9 @@ is rounded back, which is how a native bfloat16 GEMM accumulates anyway.
 Up to `MAX_GEMV_ROWS` rows, bfloat16 weights multiply on the compiled GEMV where the platform
 hands one over (`gemv`, gemv.py): those matmuls only stream the weight, and the GEMV reads it at
 close to the memory bandwidth where oneDNN does not. It needs the plain weight, which `prepack`
-then keeps.
+then keeps. Where the kernels have AVX512_BF16 the weight is held in column tiles instead
+(`gemv_tiles`), which take every bfloat16 matmul of up to `MAX_TILE_ROWS` rows; oneDNN's packed
+weight serves longer ones (prefill).
 
 With `--quantization int8` the platform swaps each weight for an `Int8Weight` (int8_linear.py)
 instead of packing it (`use_int8`), and `forward` multiplies on that.
@@ -37,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from services.worker.layers.gemv import Gemv
+    from services.worker.layers.gemv import Gemv, TiledWeight
     from services.worker.layers.int8_linear import Int8Weight
 
 
@@ -59,6 +61,7 @@ class LinearBase(nn.Module):
         # The checkpoint's own int8 weight and per-channel scales (GGUF Q8_0), for quantization to use.
         self.checkpoint_int8: tuple[torch.Tensor, torch.Tensor] | None = None
         self.gemv: Gemv | None = None  # the compiled GEMV for x of a few rows, on the plain weight
+        self.gemv_tiles: TiledWeight | None = None  # or the weight in column tiles, up to MAX_TILE_ROWS rows
 
     def use_int8(self, int8_weight: Int8Weight) -> None:
         """Multiplies on `int8_weight` from now on and frees the float weight (a tied one too: its
@@ -70,7 +73,7 @@ class LinearBase(nn.Module):
     def prepack(self) -> None:
         """Repacks the CPU weight for oneDNN in its own dtype and frees the plain copy (unless kept)."""
         self.packed_weight = pack_weight(self.weight)
-        if not (self.keeps_weight_when_packed or self.gemv is not None):
+        if not self.keeps_weight_when_packed and (self.gemv is None or self.gemv_tiles is not None):
             self.weight.data = self.weight.data.new_empty(0)
         self.weight_is_packed = True
 
@@ -82,7 +85,10 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_weight is not None:
             return self.int8_weight.linear(x, self.bias)
-        if self.gemv is not None and x.shape[0] <= MAX_GEMV_ROWS:
+        if self.gemv_tiles is not None:
+            if x.shape[0] <= self.gemv_tiles.max_rows and x.dtype == torch.bfloat16:
+                return self.gemv.tiles(x, self.gemv_tiles, self.bias)
+        elif self.gemv is not None and x.shape[0] <= MAX_GEMV_ROWS:
             return self.gemv(x, self.weight, self.bias)
         if self.packed_weight is None:
             return linear(x, self.weight, self.bias)
@@ -135,6 +141,11 @@ class QKVLinear(MergedLinear):
 MAX_NATIVE_16BIT_ROWS = 2  # CPU: above this, 16-bit weights are widened to float32 chunk by chunk
 WIDEN_CHUNK_ROWS = 1024  # weight rows widened per matmul
 MAX_GEMV_ROWS = 8  # CPU: up to this many rows, bfloat16 weights multiply on the compiled GEMV (gemv.py)
+# CPU with AVX512_BF16: up to this many rows on the column tiles (gemv.py), at or ahead of oneDNN's
+# prepacked bfloat16 GEMM for every SmolLM2 shape measured (docs/benchmarks.md, "Column tiles").
+# With AMX oneDNN multiplies on the tile unit, which the tiles were not measured against: they then
+# stop at MAX_GEMV_ROWS, where a matmul only streams its weight.
+MAX_TILE_ROWS = 256
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -7,7 +7,8 @@ share on top. `DecodeStack` hands the whole stack to C, which runs the same kern
 so a step's hidden states are those of the layer-by-layer path bit for bit.
 
 `attach_decode_stack` gives one to a `LlamaModel` whose every layer qualifies: plain (unsharded)
-projections all on the bfloat16 GEMV (bfloat16 activations) or all on the int8 GEMV, biases in the
+projections all on the bfloat16 GEMV or its column tiles (bfloat16 activations) or all on the int8
+GEMV, biases in the
 activations' dtype, the compiled fused ops and paged-decode attention, SiLU. `LlamaModel.forward`
 then takes it for all-decode steps of up to the GEMVs' row limit (every layer's) whose KV cache is in the
 activations' dtype (an int8 cache has its own writer and kernel, and keeps the layer path).
@@ -30,9 +31,10 @@ if TYPE_CHECKING:
 
 _P, _I64, _F32, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 _PP = ctypes.POINTER(ctypes.c_void_p)
-WEIGHTS_BF16, WEIGHTS_INT8 = 0, 1
+WEIGHTS_BF16, WEIGHTS_INT8, WEIGHTS_BF16_TILES = 0, 1, 2  # decode_layers.c's weight kinds
 _PLAIN_LINEARS = (Linear, MergedLinear, QKVLinear)  # a sharded one (tensor parallelism) reduces after
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
 
 
 class _Plan(ctypes.Structure):
@@ -156,7 +158,7 @@ def attach_decode_stack(model: LlamaModel, kernel: DecodeLayersKernel) -> str:
             if entry is None:
                 return f"{type(proj).__name__} not on a GEMV for {dtype}"
             kinds.add(entry[0])
-            max_rows.append(proj.int8_weight.max_gemv_rows if entry[0] == WEIGHTS_INT8 else MAX_GEMV_ROWS)
+            max_rows.append(_max_rows(proj, entry[0]))
             row.append(entry[1:])
         projections.append(row)
     if len(kinds) != 1:
@@ -164,6 +166,13 @@ def attach_decode_stack(model: LlamaModel, kernel: DecodeLayersKernel) -> str:
     # Every layer's matmuls must be on their GEMV at the stack's row counts.
     model.decode_stack = DecodeStack(model, kernel, dtype, kinds.pop(), projections, min(max_rows))
     return ""
+
+
+def _max_rows(proj: LinearBase, weight_kind: int) -> int:
+    """The rows `proj` multiplies on its compiled kernel: the tiles' and the int8 GEMV's limit per weight."""
+    if weight_kind == WEIGHTS_BF16_TILES:
+        return proj.gemv_tiles.max_rows
+    return proj.int8_weight.max_gemv_rows if weight_kind == WEIGHTS_INT8 else MAX_GEMV_ROWS
 
 
 def _gemv_operands(proj: LinearBase, dtype: torch.dtype):
@@ -177,6 +186,8 @@ def _gemv_operands(proj: LinearBase, dtype: torch.dtype):
     if proj.int8_weight is not None:
         int8 = proj.int8_weight
         return None if int8.gemv is None else (WEIGHTS_INT8, int8.qweight, int8.scales, bias)
+    if proj.gemv_tiles is not None and dtype == torch.bfloat16:
+        return WEIGHTS_BF16_TILES, proj.gemv_tiles.data, None, bias
     if proj.gemv is not None and dtype == torch.bfloat16 and proj.weight.dtype == torch.bfloat16:
         return WEIGHTS_BF16, proj.weight, None, bias
     return None

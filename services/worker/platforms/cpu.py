@@ -30,7 +30,8 @@ from services.worker.attention.cpu_int8_backend import Int8CacheCpuBackend
 from services.worker.attention.cpu_prefill import PagedPrefillKernel
 from services.worker.attention.int8_kv_cache import Int8KVWriter
 from services.worker.attention.torch_backend import TorchAttentionBackend
-from services.worker.config import (INT8_WEIGHT_QUANTIZATIONS, RunnerConfig, WorkerConfig, cpu_has_int8_dot,
+from services.worker.config import (INT8_WEIGHT_QUANTIZATIONS, RunnerConfig, WorkerConfig, cpu_has_amx_bf16,
+                                   cpu_has_int8_dot,
                                      cpu_has_native_bf16)
 from services.worker.cpu_bitmask import CpuTokenBitmask
 from services.worker.cpu_kernels import load_cpu_kernels
@@ -40,7 +41,8 @@ from services.worker.layers.gemv import Gemv, use_gemv
 from services.worker.layers.int8_gemv import Int8Gemv
 from services.worker.layers.int8_linear import Int8PathSelector, quantize_model
 from services.worker.layers.layer_ops import LayerOps, TorchLayerOps
-from services.worker.layers.linear import MAX_GEMV_ROWS, add_float32_copies, can_prepack, prepack_cpu_weights
+from services.worker.layers.linear import (MAX_GEMV_ROWS, MAX_TILE_ROWS, add_float32_copies, can_prepack,
+                                          prepack_cpu_weights)
 from services.worker.layers.w8a8 import W8A8Kernels, int_mm_is_exact
 from services.worker.models.decode_stack import DecodeLayersKernel
 from services.worker.platforms.interface import AttentionHeads, Platform
@@ -49,6 +51,12 @@ from services.worker.sampler import TorchSampler
 logger = logging.getLogger(__name__)
 
 INT8_THRESHOLDS_FILE = "int8_kernel_thresholds.json"  # in the cache dir: measured once per machine
+
+
+def _max_tile_rows() -> int:
+    """Rows the column tiles take: all of a decode batch's, unless AMX gives oneDNN the edge above the
+    rows that only stream the weight (linear.py, MAX_TILE_ROWS)."""
+    return MAX_GEMV_ROWS if cpu_has_amx_bf16() else MAX_TILE_ROWS
 
 
 def _cache_dir(config: WorkerConfig) -> Path:
@@ -111,7 +119,8 @@ class CpuPlatform(Platform):
             w8a8 = W8A8Kernels(kernels)
         return cls(dtype, backend, layer_ops, kv_cache_bytes=config.kv_cache_bytes,
                    float32_copy=config.cpu_float32_copy, sampler=sampler, quantization=config.quantization,
-                   gemv=Gemv(kernels) if gemv_on else None, int8_gemv=Int8Gemv(kernels) if gemv_on else None,
+                   gemv=Gemv(kernels, config.cpu_gemm_tiles, _max_tile_rows()) if gemv_on else None,
+                   int8_gemv=Int8Gemv(kernels) if gemv_on else None,
                    int8_selector=Int8PathSelector(cache_path=_cache_dir(config) / INT8_THRESHOLDS_FILE), w8a8=w8a8,
                    decode_layers=DecodeLayersKernel(kernels) if gemv_on and config.cpu_fused_decode else None)
 
@@ -128,6 +137,8 @@ class CpuPlatform(Platform):
         if self.float32_copy and is_16bit and not num_packed:  # natively packed weights need no copy
             num_copied = add_float32_copies(model)
         summary = f"{num_packed} matmul weights prepacked, {num_copied} with a float32 copy"
+        if num_gemv and self.gemv.has_tiles:
+            return summary + f", {num_gemv} in column tiles up to {self.gemv.max_tile_rows} rows"
         return summary + (f", {num_gemv} on the GEMV up to {MAX_GEMV_ROWS} rows" if num_gemv else "")
 
     def kv_cache_bytes(self, model: nn.Module, layout: KVCacheLayout, config: RunnerConfig) -> int:
