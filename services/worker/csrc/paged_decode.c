@@ -38,29 +38,46 @@ int64_t scratch_floats_per_thread(int64_t max_seq_len, int group, int head_dim) 
 #define PREFETCH_CHUNKS 4
 #define PREFETCH_LOCALITY 1
 
+/* Block and offset of token t: shifts where block_size is a power of two (the default 16), no
+ * division. With the value pass's probabilities paired once, 1.03-1.16x on SmolLM2's shapes from
+ * memory (1 x 400 to 64 x 500 tokens; docs/benchmarks.md, "Column tiles"). */
+static inline __attribute__((always_inline)) void locate(int64_t t, int block_size, int shift, int64_t *block,
+                                                         int64_t *offset) {
+  if (shift >= 0) {
+    *block = t >> shift, *offset = t & (block_size - 1);
+  } else {
+    *block = t / block_size, *offset = t % block_size;
+  }
+}
+
 /* Pointers to rows t0 .. t0+n of one KV head; rows past n repeat row t0, so the loops over a
- * chunk never branch. The block walk steps one row at a time: a division per row cost as much as
- * the row's arithmetic. The rows PREFETCH_CHUNKS chunks ahead are prefetched (at the first chunk,
- * every chunk up to there): rows a chunk apart lie more than a page apart, where the hardware
- * prefetchers stop. */
+ * chunk never branch. Within one block rows are `row` apart; the walk steps block by block. The
+ * rows PREFETCH_CHUNKS chunks ahead are prefetched (at the first chunk, every chunk up to there):
+ * rows a chunk apart lie more than a page apart, where the hardware prefetchers stop. `shift` is
+ * log2(block_size), or -1 where it is not a power of two. */
 #define DEFINE_ROW_POINTERS(NAME, T)                                                             \
   static inline __attribute__((always_inline)) void NAME(                                        \
       const T *cache, const int64_t *blocks, int64_t t0, int64_t seq_len, int64_t row,           \
-      int block_size, int head_dim, const T *rows[CHUNK]) {                                      \
+      int block_size, int shift, int head_dim, const T *rows[CHUNK]) {                           \
     const int64_t n = seq_len - t0 < CHUNK ? seq_len - t0 : CHUNK;                               \
-    int64_t block = t0 / block_size, offset = t0 % block_size;                                   \
+    int64_t block, offset;                                                                       \
+    locate(t0, block_size, shift, &block, &offset);                                              \
     const T *first = cache + (blocks[block] * block_size + offset) * row;                        \
-    for (int j = 0; j < CHUNK; j++) {                                                            \
-      rows[j] = first;                                                                           \
-      if (j < n) {                                                                               \
-        rows[j] = cache + (blocks[block] * block_size + offset) * row;                           \
-        if (++offset == block_size) offset = 0, block++;                                         \
+    if (offset + n <= block_size) { /* the chunk lies in one block */                            \
+      for (int j = 0; j < CHUNK; j++) rows[j] = j < n ? first + j * row : first;                 \
+    } else {                                                                                     \
+      for (int j = 0; j < CHUNK; j++) {                                                          \
+        rows[j] = first;                                                                         \
+        if (j < n) {                                                                             \
+          rows[j] = cache + (blocks[block] * block_size + offset) * row;                         \
+          if (++offset == block_size) offset = 0, block++;                                       \
+        }                                                                                        \
       }                                                                                          \
     }                                                                                            \
     const int64_t ahead = t0 + PREFETCH_CHUNKS * CHUNK;                                          \
     for (int64_t tp = t0 == 0 ? CHUNK : ahead; tp <= ahead && tp < seq_len; tp += CHUNK) {       \
       const int64_t np = seq_len - tp < CHUNK ? seq_len - tp : CHUNK;                            \
-      block = tp / block_size, offset = tp % block_size;                                         \
+      locate(tp, block_size, shift, &block, &offset);                                            \
       for (int64_t j = 0; j < np; j++) {                                                         \
         const char *r = (const char *)(cache + (blocks[block] * block_size + offset) * row);     \
         for (int b = 0; b < head_dim * (int)sizeof(T); b += 64)                                  \
@@ -76,16 +93,16 @@ DEFINE_ROW_POINTERS(row_pointers_bf16, uint16_t)
 /* The chunk's rows as float32: in place for a float32 cache, widened into `buf` for bfloat16. */
 static inline __attribute__((always_inline)) void rows_f32(
     const float *cache, const int64_t *blocks, int64_t t0, int64_t seq_len, int64_t row,
-    int block_size, float *buf, const int lanes, const float *rows[CHUNK]) {
+    int block_size, int shift, float *buf, const int lanes, const float *rows[CHUNK]) {
   (void)buf;
-  row_pointers_f32(cache, blocks, t0, seq_len, row, block_size, 8 * lanes, rows);
+  row_pointers_f32(cache, blocks, t0, seq_len, row, block_size, shift, 8 * lanes, rows);
 }
 
 static inline __attribute__((always_inline)) void rows_bf16(
     const uint16_t *cache, const int64_t *blocks, int64_t t0, int64_t seq_len, int64_t row,
-    int block_size, float *buf, const int lanes, const float *rows[CHUNK]) {
+    int block_size, int shift, float *buf, const int lanes, const float *rows[CHUNK]) {
   const uint16_t *raw[CHUNK];
-  row_pointers_bf16(cache, blocks, t0, seq_len, row, block_size, 8 * lanes, raw);
+  row_pointers_bf16(cache, blocks, t0, seq_len, row, block_size, shift, 8 * lanes, raw);
   for (int j = 0; j < CHUNK; j++) {
     float *dst = buf + j * 8 * lanes;
     for (int l = 0; l < lanes; l++) store_f32(dst + 8 * l, load_bf16(raw[j] + 8 * l));
@@ -100,7 +117,7 @@ static inline __attribute__((always_inline)) void rows_bf16(
  * bfloat16 pairs once (exact for a bfloat16 model's queries), multiplied with the cached keys as
  * they lie, 32 products a call summed in float32, so the keys are never widened. */
 static inline int key_scores_bf16_dot(const float *q, const uint16_t *key_cache, const int64_t *blocks,
-                                      int64_t seq_len, int64_t row, int block_size, float scale,
+                                      int64_t seq_len, int64_t row, int block_size, int shift, float scale,
                                       float *scores, int64_t padded, int group, int head_dim, v8f *max8) {
   if (head_dim % 32) return 0;
   const int num_pairs = head_dim / 32;
@@ -112,7 +129,7 @@ static inline int key_scores_bf16_dot(const float *q, const uint16_t *key_cache,
   const uint16_t *rows[CHUNK];
   for (int64_t t0 = 0; t0 < seq_len; t0 += CHUNK) {
     const int64_t n = seq_len - t0 < CHUNK ? seq_len - t0 : CHUNK;
-    row_pointers_bf16(key_cache, blocks, t0, seq_len, row, block_size, head_dim, rows);
+    row_pointers_bf16(key_cache, blocks, t0, seq_len, row, block_size, shift, head_dim, rows);
     for (int g = 0; g < group; g++) {
       v8f d[CHUNK];
       for (int j = 0; j < CHUNK; j++) {
@@ -131,18 +148,27 @@ static inline int key_scores_bf16_dot(const float *q, const uint16_t *key_cache,
   return 1;
 }
 
-static inline uint32_t bf16_pair(float low, float high) {
-  const __m128bh h = _mm_cvtneps_pbh(_mm_setr_ps(low, high, 0.f, 0.f));
-  uint32_t pair;
-  memcpy(&pair, &h, sizeof pair);
-  return pair;
+/* probs [0, seq_len) rounded to bfloat16 and packed two to a 32-bit lane (p[2i], p[2i + 1]), in
+ * place: pair i overwrites float i, which has been read by then. A last odd probability pairs with 0. */
+static inline void bf16_prob_pairs(float *probs, int64_t seq_len) {
+  uint32_t *pairs = (uint32_t *)probs;
+  for (int64_t t = 0; t < seq_len; t += 32) {
+    const int64_t left = seq_len - t;
+    const __mmask16 low = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
+    const __mmask16 high = left >= 32 ? 0xffff : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1);
+    const __m512 a = _mm512_maskz_loadu_ps(low, probs + t), b = _mm512_maskz_loadu_ps(high, probs + t + 16);
+    const int64_t num_pairs = (left + 1) / 2;
+    const __mmask16 store = num_pairs >= 16 ? 0xffff : (__mmask16)((1u << num_pairs) - 1);
+    _mm512_mask_storeu_epi32(pairs + t / 2, store, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+  }
 }
 
 /* The value pass for a bfloat16 cache where the CPU has VDPBF16PS: two keys' value rows are
  * interleaved (one VPERMT2W per 16 dimensions) and weighted by their probabilities rounded to
- * bfloat16, as GPU flash attention rounds them; the sums stay float32. acc [group][head_dim]. */
+ * bfloat16 (as GPU flash attention rounds them, paired once up front), the sums float32.
+ * acc [group][head_dim]; the probabilities are overwritten. */
 static inline int value_sums_bf16_dot(const uint16_t *value_cache, const int64_t *blocks, int64_t seq_len,
-                                      int64_t row, int block_size, const float *probs, int64_t padded,
+                                      int64_t row, int block_size, int shift, float *probs, int64_t padded,
                                       int group, int head_dim, float *acc) {
   if (head_dim % 32) return 0;
   const int num_vectors = head_dim / 16;
@@ -152,12 +178,13 @@ static inline int value_sums_bf16_dot(const uint16_t *value_cache, const int64_t
     high_index[i] = (uint16_t)(low_index[i] + 16);
   }
   const __m512i low = _mm512_loadu_si512(low_index), high = _mm512_loadu_si512(high_index);
+  for (int g = 0; g < group; g++) bf16_prob_pairs(probs + g * padded, seq_len);
   __m512 sums[MAX_GROUP][MAX_HEAD_DIM / 16];
   for (int g = 0; g < group; g++)
     for (int v = 0; v < num_vectors; v++) sums[g][v] = _mm512_setzero_ps();
   const uint16_t *rows[CHUNK];
   for (int64_t t0 = 0; t0 < seq_len; t0 += CHUNK) {
-    row_pointers_bf16(value_cache, blocks, t0, seq_len, row, block_size, head_dim, rows);
+    row_pointers_bf16(value_cache, blocks, t0, seq_len, row, block_size, shift, head_dim, rows);
     for (int j = 0; j < CHUNK && t0 + j < seq_len; j += 2) {
       __m512bh pairs[MAX_HEAD_DIM / 16];
       for (int c = 0; c < head_dim / 32; c++) {
@@ -166,8 +193,8 @@ static inline int value_sums_bf16_dot(const uint16_t *value_cache, const int64_t
         pairs[2 * c + 1] = (__m512bh)_mm512_permutex2var_epi16(a, high, b);
       }
       for (int g = 0; g < group; g++) {
-        const float *p = probs + g * padded + t0;
-        const __m512bh w = (__m512bh)_mm512_set1_epi32((int)bf16_pair(p[j], t0 + j + 1 < seq_len ? p[j + 1] : 0.f));
+        const uint32_t *p = (const uint32_t *)(probs + g * padded);
+        const __m512bh w = (__m512bh)_mm512_set1_epi32((int)p[(t0 + j) / 2]);
         for (int v = 0; v < num_vectors; v++) sums[g][v] = _mm512_dpbf16_ps(sums[g][v], pairs[v], w);
       }
     }
@@ -194,6 +221,7 @@ static inline int value_sums_bf16_dot(const uint16_t *value_cache, const int64_t
       int64_t seq_len, int64_t row, int block_size, float scale, float *out, float *scratch,     \
       int group, const int lanes) {                                                              \
     const int head_dim = 8 * lanes;                                                              \
+    const int shift = (block_size & (block_size - 1)) == 0 ? __builtin_ctz((unsigned)block_size) : -1; \
     const int64_t padded = (seq_len + CHUNK - 1) / CHUNK * CHUNK;                                \
     float *buf = scratch + (int64_t)group * padded;                                              \
     float *acc = buf + CHUNK * head_dim;                                                         \
@@ -201,11 +229,11 @@ static inline int value_sums_bf16_dot(const uint16_t *value_cache, const int64_t
     float inv_sum[MAX_GROUP];                                                                    \
     v8f max8[MAX_GROUP];                                                                         \
     for (int g = 0; g < group; g++) max8[g] = (v8f){0} - INFINITY;                               \
-    const int fast = FAST_KEY_SCORES(q, key_cache, blocks, seq_len, row, block_size, scale,      \
+    const int fast = FAST_KEY_SCORES(q, key_cache, blocks, seq_len, row, block_size, shift, scale,\
                                      scratch, padded, group, head_dim, max8);                    \
     for (int64_t t0 = 0; !fast && t0 < seq_len; t0 += CHUNK) {                                   \
       const int64_t n = seq_len - t0 < CHUNK ? seq_len - t0 : CHUNK;                             \
-      ROWS(key_cache, blocks, t0, seq_len, row, block_size, buf, lanes, rows);                   \
+      ROWS(key_cache, blocks, t0, seq_len, row, block_size, shift, buf, lanes, rows);            \
       for (int g = 0; g < group; g++) {                                                          \
         v8f qv[MAX_HEAD_DIM / 8], d[CHUNK];                                                      \
         for (int l = 0; l < lanes; l++) qv[l] = load_f32(q + g * head_dim + 8 * l) * scale;      \
@@ -224,11 +252,11 @@ static inline int value_sums_bf16_dot(const uint16_t *value_cache, const int64_t
       inv_sum[g] = 1.f / softmax_numerators(scratch + g * padded, seq_len, hmax(max8[g]));       \
       memset(acc + g * head_dim, 0, sizeof(float) * head_dim);                                   \
     }                                                                                            \
-    const int fast_values = FAST_VALUE_SUMS(value_cache, blocks, seq_len, row, block_size,       \
+    const int fast_values = FAST_VALUE_SUMS(value_cache, blocks, seq_len, row, block_size, shift,\
                                             scratch, padded, group, head_dim, acc);              \
     for (int64_t t0 = 0; !fast_values && t0 < seq_len; t0 += CHUNK) {                            \
       const int64_t n = seq_len - t0 < CHUNK ? seq_len - t0 : CHUNK;                             \
-      ROWS(value_cache, blocks, t0, seq_len, row, block_size, buf, lanes, rows);                 \
+      ROWS(value_cache, blocks, t0, seq_len, row, block_size, shift, buf, lanes, rows);          \
       for (int g = 0; g < group; g++) {                                                          \
         const float *p = scratch + g * padded + t0;                                              \
         v8f a[MAX_HEAD_DIM / 8];                                                                 \
