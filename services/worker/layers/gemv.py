@@ -72,7 +72,6 @@ class Gemv:
                  x.shape[0], weight.shape[0], weight.shape[1])
         return out
 
-
     def pack_tiles(self, weight: torch.Tensor) -> TiledWeight:
         """`weight` [N, K] (as `supports_weight` accepts it) repacked into column tiles."""
         n_size, k_size = weight.shape

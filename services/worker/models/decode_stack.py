@@ -8,10 +8,10 @@ so a step's hidden states are those of the layer-by-layer path bit for bit.
 
 `attach_decode_stack` gives one to a `LlamaModel` whose every layer qualifies: plain (unsharded)
 projections all on the bfloat16 GEMV or its column tiles (bfloat16 activations) or all on the int8
-GEMV, biases in the
-activations' dtype, the compiled fused ops and paged-decode attention, SiLU. `LlamaModel.forward`
-then takes it for all-decode steps of up to the GEMVs' row limit (every layer's) whose KV cache is in the
-activations' dtype (an int8 cache has its own writer and kernel, and keeps the layer path).
+GEMV, biases in the activations' dtype, the compiled fused ops and paged-decode attention, SiLU.
+`LlamaModel.forward` then takes it for all-decode steps of up to the kernels' row limit (every
+layer's) whose KV cache is in the activations' dtype (an int8 cache has its own writer and kernel,
+and keeps the layer path).
 """
 from __future__ import annotations
 
@@ -34,7 +34,6 @@ _PP = ctypes.POINTER(ctypes.c_void_p)
 WEIGHTS_BF16, WEIGHTS_INT8, WEIGHTS_BF16_TILES = 0, 1, 2  # decode_layers.c's weight kinds
 _PLAIN_LINEARS = (Linear, MergedLinear, QKVLinear)  # a sharded one (tensor parallelism) reduces after
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
-
 
 
 class _Plan(ctypes.Structure):
