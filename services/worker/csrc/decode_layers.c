@@ -7,7 +7,8 @@
  * Llama-family layers only (pre-norm, fused q/k/v and gate/up, rotate-half RoPE, SiLU), with every
  * matmul on a GEMV: bfloat16 weights (gemv.c, or their column tiles: gemm_tiles.c) for bfloat16
  * activations, or int8 weights with float32 per-channel scales (gemv_int8.c) for float32 or
- * bfloat16 activations; the KV cache in the activations' dtype. The caller checks that a model and a step qualify. */
+ * bfloat16 activations; the KV cache in the activations' dtype. The caller checks that a model
+ * and a step qualify. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>

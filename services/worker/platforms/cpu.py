@@ -31,8 +31,7 @@ from services.worker.attention.cpu_prefill import PagedPrefillKernel
 from services.worker.attention.int8_kv_cache import Int8KVWriter
 from services.worker.attention.torch_backend import TorchAttentionBackend
 from services.worker.config import (INT8_WEIGHT_QUANTIZATIONS, RunnerConfig, WorkerConfig, cpu_has_amx_bf16,
-                                   cpu_has_int8_dot,
-                                     cpu_has_native_bf16)
+                                     cpu_has_int8_dot, cpu_has_native_bf16)
 from services.worker.cpu_bitmask import CpuTokenBitmask
 from services.worker.cpu_kernels import load_cpu_kernels
 from services.worker.kv_cache import KVCacheLayout
