@@ -2,7 +2,8 @@
 
 The model runs in ONE dedicated thread (a single-worker executor): steps are serialised, and the
 event loop stays free for health checks and the stream's I/O. Protobuf decoding and encoding
-happen in that thread too. A step that raises is answered with `error_message` rather than
+happen in that thread too, which takes a stream's queued steps one after another
+(step_pipeline.py). A step that raises is answered with `error_message` rather than
 breaking the stream, until `--worker-max-consecutive-failed-steps` steps in a row have failed: then
 the worker is broken (a sticky device fault fails every step while every probe would pass). Health
 turns NOT_SERVING, the step stream ends with UNAVAILABLE and the worker refuses every new one, so
@@ -27,6 +28,7 @@ from services.worker.config import WorkerConfig
 from services.worker.metrics import WorkerMetrics
 from services.worker.parallel.process_group import CollectiveError
 from services.worker.scheduler_lease import SchedulerLease
+from services.worker.step_pipeline import StepPipeline
 from services.worker.step_watchdog import StepWatchdog
 from services.worker.tracing import WorkerTracer
 from services.worker.worker import Worker
@@ -111,16 +113,33 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         # However the stream ends: a dropped connection may cancel this generator where no finally runs.
         context.add_done_callback(lambda _: self.lease.end_stream(stream_id))
         steps = codec.StepDecoder()  # this stream's end: each step may refer to the one before
-        async for request in request_iterator:
-            yield await self._run(self._step, request, steps)
-            if self.max_consecutive_failed_steps and not self.is_broken \
-                    and self.num_consecutive_failed_steps >= self.max_consecutive_failed_steps:
-                self.is_broken = True
-                logger.error("%s: health NOT_SERVING", self._broken_message())
-                if self._on_broken is not None:
-                    await self._on_broken()
-            if self.is_broken:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, self._broken_message())
+        pipeline = StepPipeline(lambda request: self._step(request, steps), self.executor, self._has_failed_too_often)
+        reader = asyncio.ensure_future(self._read_steps(request_iterator, pipeline))
+        try:
+            async for response in pipeline.outputs():
+                yield response
+                if not self.is_broken and self._has_failed_too_often():
+                    self.is_broken = True
+                    logger.error("%s: health NOT_SERVING", self._broken_message())
+                    if self._on_broken is not None:
+                        await self._on_broken()
+                if self.is_broken:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, self._broken_message())
+        finally:
+            reader.cancel()
+            pipeline.close()
+
+    @staticmethod
+    async def _read_steps(request_iterator, pipeline: StepPipeline) -> None:
+        try:
+            async for request in request_iterator:
+                pipeline.submit(request)
+        finally:
+            pipeline.finish()
+
+    def _has_failed_too_often(self) -> bool:
+        return bool(self.max_consecutive_failed_steps) \
+            and self.num_consecutive_failed_steps >= self.max_consecutive_failed_steps
 
     def _step(self, request: worker_pb2.ExecuteModelRequest, steps: codec.StepDecoder
               ) -> worker_pb2.ExecuteModelResponse:
