@@ -77,16 +77,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quantization", default="none")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cpu-gemm-tiles", default="true", choices=["true", "false"],
+                        help="the worker's --cpu-gemm-tiles (bfloat16 tiles; W8A8's int8 tiles)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "inprocess_replay.json"))
     args = parser.parse_args(argv)
     tokenizer = load_default_tokenizer()
     requests = build_workload(WorkloadSpec(num_requests=args.num_requests, seed=args.seed), tokenizer)
     prompts = [(prompt_ids(tokenizer, r.messages), r.max_tokens) for r in requests]
     worker = Worker(WorkerConfig(dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                                 kv_cache_bytes=2 * 2**30))
+                                 kv_cache_bytes=2 * 2**30, cpu_gemm_tiles=args.cpu_gemm_tiles == "true"))
     worker.load_model()
     worker.initialize_kv_cache(0)
-    summary = replay(worker, prompts, args.concurrency) | {"dtype": args.dtype, "quantization": args.quantization}
+    summary = replay(worker, prompts, args.concurrency) | {"dtype": args.dtype, "quantization": args.quantization,
+                                                           "cpu_gemm_tiles": args.cpu_gemm_tiles == "true"}
     print(f"c={summary['concurrency']}, {summary['num_requests']} requests, {args.dtype} {args.quantization}: "
           f"{summary['output_tok_s']:.1f} out tok/s over {summary['duration_s']:.1f} s")
     for kind in ("prefill", "decode"):

@@ -25,7 +25,7 @@ CONFIG_IDS = ["bf16", "bf16-gemv", "f32-int8", "bf16-int8"]
 
 
 def _runner(model_dir, dtype: torch.dtype, quantization: str, fused: bool, kv_cache_dtype: str = "auto",
-            tiles: bool = True):
+            tiles: bool = True, max_num_seqs: int = 16):
     hf_config = load_config(model_dir)
     config = WorkerConfig(quantization=quantization, cpu_fused_decode=fused, kv_cache_dtype=kv_cache_dtype,
                           cpu_gemm_tiles=tiles)
@@ -34,7 +34,7 @@ def _runner(model_dir, dtype: torch.dtype, quantization: str, fused: bool, kv_ca
     attn = model.attention_layers()
     layout = KVCacheLayout(len(attn), attn[0].num_kv_heads, attn[0].head_dim, BLOCK_SIZE,
                            torch.int8 if kv_cache_dtype == "int8" else dtype)
-    runner_config = RunnerConfig(block_size=BLOCK_SIZE, max_model_len=256, max_num_seqs=16,
+    runner_config = RunnerConfig(block_size=BLOCK_SIZE, max_model_len=256, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=2048)
     runner = ModelRunner(model, runner_config, torch.device("cpu"), platform.attention_backend, layout,
                          vocab_size=hf_config.vocab_size, eos_token_ids=(2,))

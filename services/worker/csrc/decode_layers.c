@@ -32,6 +32,8 @@ void gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint1
                int64_t k);
 int gemm_tiles_bf16(const uint16_t *x, const uint16_t *wt, const uint16_t *bias, uint16_t *y, int64_t m_size,
                     int64_t n_size, int64_t k_size);
+int int8_tiles_bf16(const uint16_t *x, const int8_t *wt, const float *w_scales, const uint16_t *bias, uint16_t *y,
+                    int64_t m_size, int64_t n_size, int64_t k_size);
 int gemv_int8_f32(const float *x, const int8_t *q, const float *scales, const float *bias, float *y, int64_t m,
                   int64_t n, int64_t k);
 int gemv_int8_bf16(const uint16_t *x, const int8_t *q, const float *scales, const uint16_t *bias, uint16_t *y,
@@ -46,12 +48,13 @@ int paged_decode_bf16(const float *query, const uint16_t *key_cache, const uint1
                       int64_t num_reqs, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
                       int64_t max_seq_len, float *scratch, int num_threads);
 
-enum { WEIGHTS_BF16 = 0, WEIGHTS_INT8 = 1, WEIGHTS_BF16_TILES = 2 };
+enum { WEIGHTS_BF16 = 0, WEIGHTS_INT8 = 1, WEIGHTS_BF16_TILES = 2, WEIGHTS_INT8_TILES = 3 };
 enum { PROJ_QKV = 0, PROJ_O = 1, PROJ_GATE_UP = 2, PROJ_DOWN = 3, NUM_PROJ = 4 };
 
 /* The model, filled once by decode_stack.py; the arrays hold num_layers entries each. For every
  * projection: its weight (bfloat16 or int8 [out, in], or bfloat16 column tiles), int8 scales
- * (float32 [out], NULL for bf16) and bias (the activations' dtype, or NULL). */
+ * (float32 [out], NULL for bf16) and bias (the activations' dtype, or NULL); with WEIGHTS_INT8_TILES
+ * (W8A8) also its int8 column tiles, which take the steps of more than max_gemv_rows rows. */
 typedef struct {
   int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
   float eps, scale;
@@ -60,6 +63,8 @@ typedef struct {
   void **weight[NUM_PROJ], **scales[NUM_PROJ], **bias[NUM_PROJ];
   void **key_cache, **value_cache; /* [num_blocks, block_size, num_kv_heads, head_dim] each */
   void *final_norm;
+  void **tiles[NUM_PROJ];
+  int64_t max_gemv_rows;
 } DecodeStack;
 
 /* y [m, n] = x [m, k] W^T (+ b) for projection p of layer l. Returns the GEMV's status. */
@@ -70,8 +75,10 @@ static int project_f32(const DecodeStack *s, int p, int64_t l, const float *x, f
 
 static int project_bf16(const DecodeStack *s, int p, int64_t l, const uint16_t *x, uint16_t *y, int64_t m,
                         int64_t n, int64_t k) {
-  if (s->weight_kind == WEIGHTS_INT8)
+  if (s->weight_kind == WEIGHTS_INT8 || (s->weight_kind == WEIGHTS_INT8_TILES && m <= s->max_gemv_rows))
     return gemv_int8_bf16(x, s->weight[p][l], s->scales[p][l], s->bias[p][l], y, m, n, k);
+  if (s->weight_kind == WEIGHTS_INT8_TILES)
+    return int8_tiles_bf16(x, s->tiles[p][l], s->scales[p][l], s->bias[p][l], y, m, n, k);
   if (s->weight_kind == WEIGHTS_BF16_TILES) return gemm_tiles_bf16(x, s->weight[p][l], s->bias[p][l], y, m, n, k);
   gemv_bf16(x, s->weight[p][l], s->bias[p][l], y, m, n, k);
   return 0;

@@ -6,6 +6,7 @@
 #define SPINDLE_INT8_QUANT_H
 
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "vec.h"
@@ -34,5 +35,26 @@
 
 DEFINE_QUANTIZE_ROW(f32, float, INT8_QUANT_LOAD_F32)
 DEFINE_QUANTIZE_ROW(bf16, uint16_t, INT8_QUANT_LOAD_BF16)
+
+#define INT8_QUANT_STORE_F32(x) (x)
+#define INT8_QUANT_STORE_BF16(x) f32_to_bf16(x)
+
+/* dequantize_row_int32_f32 / _bf16(acc, x_scale, w_scales, bias, y, n): one row of a W8A8 matmul's
+ * int32 sums, y[c] = acc[c] * (x_scale * w_scales[c]) (+ bias[c]) in float32, rounded once to y's
+ * dtype; shared by w8a8.c's pass after oneDNN and gemm_int8_tiles.c's, so both round alike. */
+#define DEFINE_DEQUANTIZE_ROW(SUFFIX, T, LOAD, STORE)                                                  \
+  static inline void dequantize_row_int32_##SUFFIX(const int32_t *acc, float xs, const float *w_scales, \
+                                                   const T *bias, T *y, int64_t n) {                   \
+    if (bias == NULL) {                                                                               \
+      _Pragma("omp simd")                                                                             \
+      for (int64_t c = 0; c < n; c++) y[c] = STORE((float)acc[c] * (xs * w_scales[c]));               \
+    } else {                                                                                          \
+      _Pragma("omp simd")                                                                             \
+      for (int64_t c = 0; c < n; c++) y[c] = STORE((float)acc[c] * (xs * w_scales[c]) + LOAD(bias[c])); \
+    }                                                                                                 \
+  }
+
+DEFINE_DEQUANTIZE_ROW(f32, float, INT8_QUANT_LOAD_F32, INT8_QUANT_STORE_F32)
+DEFINE_DEQUANTIZE_ROW(bf16, uint16_t, INT8_QUANT_LOAD_BF16, INT8_QUANT_STORE_BF16)
 
 #endif

@@ -7,18 +7,13 @@
  *   -> q [m, k] int8 in [-127, 127] and scales [m] float32, by the int8 KV cache's row rule
  *   (int8_quant.h).
  * dequantize_int32_*: y [m, n] = acc [m, n] * (x_scales[m] * w_scales[n]) (+ bias [n]) in float32,
- *   rounded once to y's dtype (bfloat16 to nearest even); bias may be NULL. */
+ *   rounded once to y's dtype (bfloat16 to nearest even); bias may be NULL (int8_quant.h's row). */
 #include <stdint.h>
 
 #include "int8_quant.h"
 #include "vec.h"
 
 #define MIN_PARALLEL_ELEMENTS 32768 /* below this a thread team costs more than it saves */
-
-#define LOAD_F32(x) (x)
-#define LOAD_BF16(x) bf16_to_f32(x)
-#define STORE_F32(x) (x)
-#define STORE_BF16(x) f32_to_bf16(x)
 
 #define DEFINE_QUANTIZE(SUFFIX, T)                                                                    \
   int quantize_rows_int8_##SUFFIX(const T *x, int64_t x_stride, int8_t *q, float *scales, int64_t m, \
@@ -32,24 +27,14 @@
 DEFINE_QUANTIZE(f32, float)
 DEFINE_QUANTIZE(bf16, uint16_t)
 
-#define DEFINE_DEQUANTIZE(SUFFIX, T, LOAD, STORE)                                                      \
+#define DEFINE_DEQUANTIZE(SUFFIX, T)                                                                   \
   int dequantize_int32_##SUFFIX(const int32_t *acc, const float *x_scales, const float *w_scales,     \
                                 const T *bias, T *y, int64_t m, int64_t n) {                          \
     _Pragma("omp parallel for schedule(static) if (m * n >= MIN_PARALLEL_ELEMENTS)")                  \
-    for (int64_t r = 0; r < m; r++) {                                                                \
-      const float xs = x_scales[r];                                                                  \
-      const int32_t *a = acc + r * n;                                                                \
-      T *yr = y + r * n;                                                                             \
-      if (bias == NULL) {                                                                            \
-        _Pragma("omp simd")                                                                          \
-        for (int64_t c = 0; c < n; c++) yr[c] = STORE((float)a[c] * (xs * w_scales[c]));             \
-      } else {                                                                                       \
-        _Pragma("omp simd")                                                                          \
-        for (int64_t c = 0; c < n; c++) yr[c] = STORE((float)a[c] * (xs * w_scales[c]) + LOAD(bias[c])); \
-      }                                                                                              \
-    }                                                                                                \
+    for (int64_t r = 0; r < m; r++)                                                                  \
+      dequantize_row_int32_##SUFFIX(acc + r * n, x_scales[r], w_scales, bias, y + r * n, n);         \
     return 0;                                                                                        \
   }
 
-DEFINE_DEQUANTIZE(f32, float, LOAD_F32, STORE_F32)
-DEFINE_DEQUANTIZE(bf16, uint16_t, LOAD_BF16, STORE_BF16)
+DEFINE_DEQUANTIZE(f32, float)
+DEFINE_DEQUANTIZE(bf16, uint16_t)

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.layers.int8_gemv import MAX_INT8_GEMV_ROWS, Int8Gemv
-from services.worker.layers.w8a8 import W8A8Kernels
+from services.worker.layers.w8a8 import MAX_INT8_TILE_ROWS, Int8TiledWeight, W8A8Kernels
 from services.worker.layers.int8_kernels import (
     dequantize_chunks_linear,
     has_int8pack_mm,
@@ -65,6 +65,7 @@ class Int8Weight:
         self.gemv: Int8Gemv | None = None
         self.max_gemv_rows = MAX_INT8_GEMV_ROWS  # raised where the selector measured the GEMV faster
         self.w8a8: W8A8Kernels | None = None  # set: rows off the GEMV quantize their activations
+        self.tiles: Int8TiledWeight | None = None  # W8A8's column tiles, for rows past the GEMV's
 
     def use_gemv(self, gemv: Int8Gemv) -> bool:
         """Multiplies x of up to MAX_INT8_GEMV_ROWS rows on `gemv` from now on, where it supports
@@ -97,6 +98,9 @@ class Int8Weight:
             if (self.gemv is not None and x.shape[0] <= self.max_gemv_rows and x.dim() == 2
                     and x.dtype in Int8Gemv.DTYPES):
                 return self.gemv(x, self.qweight, self.scales, bias)
+            if self.tiles is not None and x.dim() == 2 and x.dtype == torch.bfloat16 \
+                    and x.shape[0] <= self.tiles.max_rows:
+                return self.w8a8.tiles(x, self.tiles, self.scales, bias)
             if self.w8a8 is not None:
                 return self._w8a8_linear(x, bias)
             use_int8pack = x.shape[0] <= self.max_int8pack_rows
@@ -283,6 +287,9 @@ def quantize_model(model: nn.Module, dtype: torch.dtype, native_bf16: bool,
             qweight, scales = quantize_per_channel(layer.weight)
         int8 = Int8Weight(qweight, scales, native_bf16=native_bf16)
         int8.w8a8 = w8a8
+        if w8a8 is not None and w8a8.has_tiles and dtype == torch.bfloat16:
+            int8.tiles = w8a8.pack_tiles(int8.qweight)
+            int8_bytes += int8.tiles.data.numel()
         int8.max_int8pack_rows = 0 if w8a8 is not None else selector.max_int8pack_rows(int8, dtype)
         int8.scales_in(dtype)
         if gemv is not None and int8.use_gemv(gemv):
@@ -301,4 +308,7 @@ def quantize_model(model: nn.Module, dtype: torch.dtype, native_bf16: bool,
     if num_gemv:
         low, high = min(gemv_rows), max(gemv_rows)
         summary += f", {num_gemv} on the int8 GEMV up to {low if low == high else f'{low}-{high}'} rows"
+    if w8a8 is not None and w8a8.has_tiles and dtype == torch.bfloat16:
+        limit = "" if w8a8.max_tile_rows == MAX_INT8_TILE_ROWS else f" up to {w8a8.max_tile_rows} rows"
+        summary += f", W8A8 on int8 column tiles{limit}"
     return summary + (", activations quantized per row above (W8A8, torch._int_mm)" if w8a8 is not None else "")

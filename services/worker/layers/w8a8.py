@@ -8,6 +8,12 @@ On a 2-core Zen 4 (AVX512_VNNI) `_int_mm` ran SmolLM2-135M's layer shapes 1.6x (
 quantizing and rescaling around it are one compiled pass each (csrc/w8a8.c). A few rows only stream the weight, so `Int8Weight` keeps them on
 the weight-only int8 GEMV (activations unquantized) and hands more rows here.
 
+Where the library is built with AVX512_VNNI, each weight is also packed once into int8 column
+tiles (`Int8TiledWeight`, csrc/gemm_int8_tiles.c): the same quantized rows and int32 sums as
+`_int_mm`, scaled back by the same row pass, so bit-identical, and faster at every row count
+measured (`MAX_INT8_TILE_ROWS`). oneDNN's GEMM serves CPUs without AVX512_VNNI, and those with
+AMX-INT8, where it may win (unmeasured).
+
 `_int_mm` is only exact where oneDNN multiplies int8 without 16-bit intermediates: without VNNI
 (AVX2's VPMADDUBSW saturates pairs of products) its sums came out wrong for full-range int8, so the
 worker checks it once on extreme values (`int_mm_is_exact`) and refuses the mode where it fails.
@@ -15,10 +21,26 @@ worker checks it once on extreme values (`int_mm_is_exact`) and refuses the mode
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
+# Every row count past the int8 GEMV's: 30 layers of SmolLM2-135M's matmuls, weights from memory,
+# on a 2-core Zen 5 (AVX512_VNNI), tiles against oneDNN's int8 GEMM with its passes: 8 rows 3.4 /
+# 9.1 ms, 40 rows 7.9 / 14.5, 128 rows 19.4 / 24.7, 512 rows 67.9 / 73.9, 2,048 rows 287 / 300
+# (docs/benchmarks.md, "W8A8 column tiles").
+MAX_INT8_TILE_ROWS = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class Int8TiledWeight:
+    """An int8 weight [n_size, k_size] in gemm_int8_tiles.c's packed column tiles (column sums first)."""
+
+    data: torch.Tensor  # int8 bytes
+    n_size: int
+    k_size: int
+    max_rows: int  # `Int8Weight.linear` and the decoder stack take the tiles up to this many rows
 
 
 class W8A8Kernels:
@@ -26,7 +48,7 @@ class W8A8Kernels:
 
     DTYPES = (torch.bfloat16, torch.float32)  # activations', which the output takes
 
-    def __init__(self, library: ctypes.CDLL):
+    def __init__(self, library: ctypes.CDLL, use_tiles: bool = True, max_tile_rows: int = MAX_INT8_TILE_ROWS):
         self._quantize, self._dequantize = {}, {}
         for dtype, suffix in zip(self.DTYPES, ("bf16", "f32")):
             quantize = getattr(library, f"quantize_rows_int8_{suffix}")
@@ -34,6 +56,35 @@ class W8A8Kernels:
             dequantize = getattr(library, f"dequantize_int32_{suffix}")
             dequantize.argtypes, dequantize.restype = [_P] * 5 + [_I64, _I64], ctypes.c_int
             self._quantize[dtype], self._dequantize[dtype] = quantize, dequantize
+        self.has_tiles = use_tiles and max_tile_rows > 0 and bool(library.int8_tiles_available())  # AVX512_VNNI
+        self.max_tile_rows = max_tile_rows
+        self._tiles, self._pack, self._nbytes = library.int8_tiles_bf16, library.int8_tiles_pack, library.int8_tiles_nbytes
+        self._tiles.argtypes, self._tiles.restype = [_P] * 5 + [_I64] * 3, ctypes.c_int
+        self._pack.argtypes, self._pack.restype = [_P, _P, _I64, _I64], None
+        self._nbytes.argtypes, self._nbytes.restype = [_I64, _I64], _I64
+
+    def pack_tiles(self, qweight: torch.Tensor) -> Int8TiledWeight:
+        """qweight int8 [N, K] contiguous, repacked into column tiles (after `has_tiles`)."""
+        n_size, k_size = qweight.shape
+        data = torch.empty(self._nbytes(n_size, k_size), dtype=torch.int8)
+        self._pack(qweight.data_ptr(), data.data_ptr(), n_size, k_size)
+        return Int8TiledWeight(data, n_size, k_size, self.max_tile_rows)
+
+    def tiles(self, x: torch.Tensor, weight: Int8TiledWeight, w_scales: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`linear` on the tiles for bfloat16 x [M, K]: the same result, bit for bit."""
+        if not self.has_tiles or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != weight.k_size:
+            raise ValueError(f"int8 tiles: x {x.dtype} {tuple(x.shape)} against [{weight.n_size}, {weight.k_size}]")
+        if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+            bias = bias.to(torch.bfloat16).contiguous()
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], weight.n_size, dtype=torch.bfloat16)
+        status = self._tiles(x.data_ptr(), weight.data.data_ptr(), w_scales.data_ptr(),
+                             None if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0], weight.n_size,
+                             weight.k_size)
+        if status:
+            raise MemoryError("int8 tiles: no memory for the quantized rows")
+        return out
 
     def quantize_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [M, K] -> (int8 [M, K], float32 scales [M]), q = rint(x * 127 / amax) per row."""

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 _P, _I64, _F32, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 _PP = ctypes.POINTER(ctypes.c_void_p)
-WEIGHTS_BF16, WEIGHTS_INT8, WEIGHTS_BF16_TILES = 0, 1, 2  # decode_layers.c's weight kinds
+WEIGHTS_BF16, WEIGHTS_INT8, WEIGHTS_BF16_TILES, WEIGHTS_INT8_TILES = 0, 1, 2, 3  # decode_layers.c's weight kinds
 _PLAIN_LINEARS = (Linear, MergedLinear, QKVLinear)  # a sharded one (tensor parallelism) reduces after
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -43,7 +43,7 @@ class _Plan(ctypes.Structure):
                 ("head_dim", _I64), ("intermediate", _I64), ("block_size", _I64), ("eps", _F32), ("scale", _F32),
                 ("weight_kind", _I32), ("input_norm", _PP), ("post_norm", _PP), ("weight", _PP * 4),
                 ("scales", _PP * 4), ("bias", _PP * 4), ("key_cache", _PP), ("value_cache", _PP),
-                ("final_norm", _P)]
+                ("final_norm", _P), ("tiles", _PP * 4), ("max_gemv_rows", _I64)]
 
 
 class DecodeLayersKernel:
@@ -70,12 +70,14 @@ class DecodeStack:
     rebuilt whenever the runner binds other KV cache tensors."""
 
     def __init__(self, model: LlamaModel, kernel: DecodeLayersKernel, dtype: torch.dtype, weight_kind: int,
-                 projections: list[list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]],
-                 max_num_rows: int):
+                 projections: list[list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+                                              torch.Tensor | None]]],
+                 max_num_rows: int, max_gemv_rows: int = 0):
         self.model, self.dtype, self.weight_kind = model, dtype, weight_kind
         self.max_num_rows = max_num_rows
+        self.max_gemv_rows = max_gemv_rows  # WEIGHTS_INT8_TILES: the int8 GEMV's rows, the tiles' above
         self._function = kernel.function(dtype)
-        self._projections = projections  # per layer: (weight, scales, bias) of qkv, o, gate_up, down
+        self._projections = projections  # per layer: (weight, scales, bias, tiles) of qkv, o, gate_up, down
         self._attns = [layer.self_attn.attn for layer in model.layers]  # read every step: no module lookups
         self._caches: list[torch.Tensor] = []
         self._plan: _Plan | None = None
@@ -102,13 +104,13 @@ class DecodeStack:
             "key_cache": _pointers([c[0] for c in caches]),
             "value_cache": _pointers([c[1] for c in caches]),
         }
-        per_proj = [[_pointers([p[i][part] for p in self._projections]) for i in range(4)] for part in range(3)]
+        per_proj = [[_pointers([p[i][part] for p in self._projections]) for i in range(4)] for part in range(4)]
         plan = _Plan(num_layers=len(layers), hidden=self.model.norm.weight.shape[0], num_heads=attn.num_heads,
                      num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
                      intermediate=mlp.down_proj.input_size, block_size=caches[0].shape[2],
                      eps=first.input_layernorm.eps, scale=attn.scale, weight_kind=self.weight_kind,
-                     final_norm=self.model.norm.weight.data_ptr(), **arrays)
-        for name, arrays_of_part in zip(("weight", "scales", "bias"), per_proj):
+                     final_norm=self.model.norm.weight.data_ptr(), max_gemv_rows=self.max_gemv_rows, **arrays)
+        for name, arrays_of_part in zip(("weight", "scales", "bias", "tiles"), per_proj):
             field = getattr(plan, name)
             for i, array in enumerate(arrays_of_part):
                 field[i] = ctypes.cast(array, _PP)
@@ -145,7 +147,7 @@ def attach_decode_stack(model: LlamaModel, kernel: DecodeLayersKernel) -> str:
     dtype = model.norm.weight.dtype
     if dtype not in _SUFFIXES:
         return f"activations in {dtype}"
-    kinds, projections, max_rows = set(), [], []
+    kinds, projections, max_rows, gemv_rows = set(), [], [], []
     for layer in model.layers:
         attn = layer.self_attn.attn
         if not (isinstance(attn.ops, CpuLayerOps) and isinstance(attn.backend, CpuAttentionBackend)
@@ -158,12 +160,17 @@ def attach_decode_stack(model: LlamaModel, kernel: DecodeLayersKernel) -> str:
                 return f"{type(proj).__name__} not on a GEMV for {dtype}"
             kinds.add(entry[0])
             max_rows.append(_max_rows(proj, entry[0]))
+            if entry[0] == WEIGHTS_INT8_TILES:
+                gemv_rows.append(proj.int8_weight.max_gemv_rows)
             row.append(entry[1:])
         projections.append(row)
     if len(kinds) != 1:
         return "bfloat16 and int8 GEMVs mixed"
+    if len(set(gemv_rows)) > 1:
+        return "int8 GEMV row limits differ between W8A8 weights"
     # Every layer's matmuls must be on their GEMV at the stack's row counts.
-    model.decode_stack = DecodeStack(model, kernel, dtype, kinds.pop(), projections, min(max_rows))
+    model.decode_stack = DecodeStack(model, kernel, dtype, kinds.pop(), projections, min(max_rows),
+                                     gemv_rows[0] if gemv_rows else 0)
     return ""
 
 
@@ -171,12 +178,14 @@ def _max_rows(proj: LinearBase, weight_kind: int) -> int:
     """The rows `proj` multiplies on its compiled kernel: the tiles' and the int8 GEMV's limit per weight."""
     if weight_kind == WEIGHTS_BF16_TILES:
         return proj.gemv_tiles.max_rows
+    if weight_kind == WEIGHTS_INT8_TILES:
+        return max(proj.int8_weight.tiles.max_rows, proj.int8_weight.max_gemv_rows)
     return proj.int8_weight.max_gemv_rows if weight_kind == WEIGHTS_INT8 else MAX_GEMV_ROWS
 
 
 def _gemv_operands(proj: LinearBase, dtype: torch.dtype):
-    """(weight kind, weight, scales, bias) where `proj` multiplies a few rows on a GEMV exactly as
-    the C stack calls it; None otherwise."""
+    """(weight kind, weight, scales, bias, tiles) where `proj` multiplies a few rows on a GEMV (and,
+    for W8A8, on its int8 tiles above) exactly as the C stack calls it; None otherwise."""
     if type(proj) not in _PLAIN_LINEARS:
         return None
     bias = proj.bias
@@ -184,9 +193,13 @@ def _gemv_operands(proj: LinearBase, dtype: torch.dtype):
         return None  # the layer path adds such a bias after the GEMV, rounding twice
     if proj.int8_weight is not None:
         int8 = proj.int8_weight
-        return None if int8.gemv is None else (WEIGHTS_INT8, int8.qweight, int8.scales, bias)
+        if int8.gemv is None:
+            return None
+        if int8.tiles is not None and dtype == torch.bfloat16:
+            return WEIGHTS_INT8_TILES, int8.qweight, int8.scales, bias, int8.tiles.data
+        return WEIGHTS_INT8, int8.qweight, int8.scales, bias, None
     if proj.gemv_tiles is not None and dtype == torch.bfloat16:
-        return WEIGHTS_BF16_TILES, proj.gemv_tiles.data, None, bias
+        return WEIGHTS_BF16_TILES, proj.gemv_tiles.data, None, bias, None
     if proj.gemv is not None and dtype == torch.bfloat16 and proj.weight.dtype == torch.bfloat16:
-        return WEIGHTS_BF16, proj.weight, None, bias
+        return WEIGHTS_BF16, proj.weight, None, bias, None
     return None

@@ -31,7 +31,7 @@ from services.worker.attention.cpu_prefill import PagedPrefillKernel
 from services.worker.attention.int8_kv_cache import Int8KVWriter
 from services.worker.attention.torch_backend import TorchAttentionBackend
 from services.worker.config import (INT8_WEIGHT_QUANTIZATIONS, RunnerConfig, WorkerConfig, cpu_has_amx_bf16,
-                                     cpu_has_int8_dot, cpu_has_native_bf16)
+                                     cpu_has_amx_int8, cpu_has_int8_dot, cpu_has_native_bf16)
 from services.worker.cpu_bitmask import CpuTokenBitmask
 from services.worker.cpu_kernels import load_cpu_kernels
 from services.worker.kv_cache import KVCacheLayout
@@ -42,7 +42,7 @@ from services.worker.layers.int8_linear import Int8PathSelector, quantize_model
 from services.worker.layers.layer_ops import LayerOps, TorchLayerOps
 from services.worker.layers.linear import (MAX_GEMV_ROWS, MAX_TILE_ROWS, add_float32_copies, can_prepack,
                                           prepack_cpu_weights)
-from services.worker.layers.w8a8 import W8A8Kernels, int_mm_is_exact
+from services.worker.layers.w8a8 import MAX_INT8_TILE_ROWS, W8A8Kernels, int_mm_is_exact
 from services.worker.models.decode_stack import DecodeLayersKernel
 from services.worker.platforms.interface import AttentionHeads, Platform
 from services.worker.sampler import TorchSampler
@@ -56,6 +56,12 @@ def _max_tile_rows() -> int:
     """Rows the column tiles take: all of a decode batch's, unless AMX gives oneDNN the edge above the
     rows that only stream the weight (linear.py, MAX_TILE_ROWS)."""
     return MAX_GEMV_ROWS if cpu_has_amx_bf16() else MAX_TILE_ROWS
+
+
+def _max_int8_tile_rows() -> int:
+    """Rows W8A8's int8 column tiles take past the int8 GEMV's: none where AMX-INT8 gives oneDNN's
+    int8 GEMM the edge (unmeasured here, as for the bfloat16 tiles), else MAX_INT8_TILE_ROWS."""
+    return 0 if cpu_has_amx_int8() else MAX_INT8_TILE_ROWS
 
 
 def _cache_dir(config: WorkerConfig) -> Path:
@@ -115,7 +121,7 @@ class CpuPlatform(Platform):
             if not int_mm_is_exact():
                 raise ValueError("--quantization w8a8: torch._int_mm does not multiply int8 exactly on this CPU "
                                  "(it needs AVX512_VNNI, AVX_VNNI or AMX-INT8); use --quantization int8")
-            w8a8 = W8A8Kernels(kernels)
+            w8a8 = W8A8Kernels(kernels, config.cpu_gemm_tiles, _max_int8_tile_rows())
         return cls(dtype, backend, layer_ops, kv_cache_bytes=config.kv_cache_bytes,
                    float32_copy=config.cpu_float32_copy, sampler=sampler, quantization=config.quantization,
                    gemv=Gemv(kernels, config.cpu_gemm_tiles, _max_tile_rows()) if gemv_on else None,

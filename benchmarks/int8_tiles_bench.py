@@ -1,0 +1,65 @@
+"""W8A8 matmuls on the int8 column tiles (csrc/gemm_int8_tiles.c) against oneDNN's int8 GEMM with
+its quantize / rescale passes (`W8A8Kernels.linear`), and the bfloat16 column tiles beside them, on
+a CPU with AVX512_VNNI.
+
+    flock /tmp/spindle-cpu.lock .venv/bin/python -m benchmarks.int8_tiles_bench
+        [--matmul-rows 8,17,40,64,128,256,512,2048] [--out benchmarks/results/int8_tiles.json]
+
+SmolLM2-135M's four layer shapes with 30 layers' distinct random weights, so they come from memory
+as in a step, each path over all of them, median of 7 passes (gemm_tiles_bench's method). The
+bfloat16 tiles need AVX512_BF16; without it their column is left out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from benchmarks.gemm_tiles_bench import NUM_LAYERS, SHAPES, _pass_ms
+from benchmarks.machine_probe import cpu_flags
+from services.worker.cpu_kernels import load_cpu_kernels
+from services.worker.layers.gemv import Gemv
+from services.worker.layers.int8_kernels import quantize_per_channel
+from services.worker.layers.w8a8 import W8A8Kernels
+
+
+def matmuls(kernels: W8A8Kernels, gemv: Gemv, rows: list[int]) -> list[dict]:
+    weights = {name: [torch.randn(n, k).bfloat16() for _ in range(NUM_LAYERS)] for name, (n, k) in SHAPES.items()}
+    int8 = {name: [quantize_per_channel(w.float()) for w in ws] for name, ws in weights.items()}
+    int8_tiles = {name: [kernels.pack_tiles(q) for q, _ in qs] for name, qs in int8.items()}
+    paths = {"int8_tiles": lambda name, i, x: kernels.tiles(x, int8_tiles[name][i], int8[name][i][1]),
+             "onednn_int8": lambda name, i, x: kernels.linear(x, *int8[name][i])}
+    if gemv.has_tiles:
+        bf16_tiles = {name: [gemv.pack_tiles(w) for w in ws] for name, ws in weights.items()}
+        paths["bf16_tiles"] = lambda name, i, x: gemv.tiles(x, bf16_tiles[name][i])
+    results = []
+    for num_rows in rows:
+        row = {"rows": num_rows, **{f"{path}_ms": _pass_ms(call, num_rows) for path, call in paths.items()}}
+        results.append(row)
+        print(f"matmuls, {num_rows:4d} rows: " + ", ".join(f"{path} {row[f'{path}_ms']:7.2f} ms" for path in paths),
+              flush=True)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--matmul-rows", default="8,17,40,64,128,256,512,2048")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "int8_tiles.json"))
+    args = parser.parse_args()
+    library = load_cpu_kernels()
+    kernels = W8A8Kernels(library) if library is not None else None
+    if kernels is None or not kernels.has_tiles:
+        raise SystemExit("no int8 column tiles here: they need the CPU kernels built with AVX512_VNNI")
+    flags = cpu_flags()
+    print(f"CPU flags: {' '.join(flags)}; torch threads {torch.get_num_threads()}", flush=True)
+    report = {"cpu_flags": flags, "torch_threads": torch.get_num_threads(),
+              "matmuls": matmuls(kernels, Gemv(library), [int(r) for r in args.matmul_rows.split(",") if r])}
+    out = Path(args.out)
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""W8A8's int8 column tiles (csrc/gemm_int8_tiles.c): the same result as the oneDNN path bit for
+bit (the exact product of the quantized operands, scaled back by the same row pass), the rows
+`Int8Weight` hands them, and the decoder stack on them for steps of more rows than the int8 GEMV
+takes (on the GEMV below). Skipped where the library has no tiles (built without AVX512_VNNI)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.worker.layers.int8_gemv import MAX_INT8_GEMV_ROWS, Int8Gemv
+from services.worker.layers.int8_kernels import quantize_per_channel
+from services.worker.layers.int8_linear import Int8Weight
+from services.worker.layers.w8a8 import W8A8Kernels, int_mm_is_exact
+from services.worker.models.decode_stack import WEIGHTS_INT8_TILES
+from tests.worker.kernel_builds import library_for
+from tests.worker.test_decode_stack import _run, _runner
+
+
+@pytest.fixture(scope="module")
+def kernel_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture
+def kernels(kernel_cache) -> W8A8Kernels:
+    kernels = W8A8Kernels(library_for("native", kernel_cache))
+    if not kernels.has_tiles:
+        pytest.skip("the CPU kernels have no int8 column tiles here (built without AVX512_VNNI)")
+    return kernels
+
+
+def _reference(kernels: W8A8Kernels, x, qweight, scales, bias):
+    """The exact int32 product of the quantized rows and the weight, through the oneDNN path's passes."""
+    xq, x_scales = kernels.quantize_rows(x)
+    acc = (xq.long() @ qweight.long().t()).int()
+    return kernels.dequantize(acc, x_scales, scales, bias, x.dtype)
+
+
+# Shapes: SmolLM2's, a K not a multiple of 4 and an N not of 16 (padding), a single column.
+@pytest.mark.parametrize("num_rows,n_size,k_size", [(1, 16, 4), (17, 960, 576), (40, 3072, 64), (33, 577, 37),
+                                                    (300, 96, 1536), (9, 1, 3)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_tiles_give_the_exact_products_scaled_back_as_the_onednn_path(kernels, num_rows, n_size, k_size, with_bias):
+    g = torch.Generator().manual_seed(num_rows * n_size + k_size)
+    x = (torch.randn(num_rows, k_size, generator=g) * torch.logspace(-2, 1, num_rows)[:, None]).bfloat16()
+    x[0, :] = 0.0  # a row of zeros: scale 0
+    qweight = torch.randint(-127, 128, (n_size, k_size), generator=g, dtype=torch.int8)
+    qweight[0, :] = 127  # extreme columns: (q + 128) * 127 summed over K must not overflow
+    if n_size > 1:
+        qweight[1, :] = -127
+    scales = torch.rand(n_size, generator=g) * 0.01 + 1e-4
+    bias = torch.randn(n_size, generator=g).bfloat16() if with_bias else None
+    got = kernels.tiles(x, kernels.pack_tiles(qweight), scales, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (num_rows, n_size)
+    assert torch.equal(got, _reference(kernels, x, qweight, scales, bias))
+    if int_mm_is_exact() and k_size % 8 == 0:
+        assert torch.equal(got, kernels.linear(x, qweight, scales, bias))
+
+
+def test_tiles_refuse_what_they_do_not_multiply(kernels):
+    tiled = kernels.pack_tiles(torch.zeros(16, 32, dtype=torch.int8))
+    with pytest.raises(ValueError, match="int8 tiles"):
+        kernels.tiles(torch.randn(2, 32), tiled, torch.ones(16))  # float32 activations
+    with pytest.raises(ValueError, match="int8 tiles"):
+        kernels.tiles(torch.randn(2, 31).bfloat16(), tiled, torch.ones(16))
+
+
+def test_the_portable_build_has_no_tiles(kernel_cache):
+    portable = W8A8Kernels(library_for("x86-64-v3", kernel_cache))
+    assert not portable.has_tiles
+    assert not W8A8Kernels(library_for("native", kernel_cache), use_tiles=False).has_tiles
+
+
+def test_rows_past_the_gemv_take_the_tiles_with_the_onednn_paths_result(kernels, kernel_cache):
+    qweight, scales = quantize_per_channel(torch.randn(64, 128))
+    weight = Int8Weight(qweight, scales, native_bf16=True)
+    assert weight.use_gemv(Int8Gemv(library_for("native", kernel_cache)))
+    weight.w8a8 = kernels
+    untiled = [weight.linear(torch.full((r, 128), 0.5).bfloat16()) for r in (MAX_INT8_GEMV_ROWS + 1, 200)]
+    weight.tiles = kernels.pack_tiles(weight.qweight)
+    calls = []
+    tiles = kernels.tiles
+    kernels.tiles = lambda x, *args: (calls.append(x.shape[0]), tiles(x, *args))[1]
+    for num_rows in (1, MAX_INT8_GEMV_ROWS, MAX_INT8_GEMV_ROWS + 1, 200):
+        assert weight.linear(torch.randn(num_rows, 128).bfloat16()).shape == (num_rows, 64)
+    assert calls == [MAX_INT8_GEMV_ROWS + 1, 200]  # the GEMV keeps its rows
+    x = torch.full((MAX_INT8_GEMV_ROWS + 1, 128), 0.5).bfloat16()
+    assert torch.equal(weight.linear(x), untiled[0])
+    calls.clear()
+    assert weight.linear(torch.randn(3, 7, 128)).shape == (3, 7, 64)  # 3-D and float32: oneDNN's path
+    assert calls == []
+
+
+@pytest.mark.parametrize("num_requests", [20, 5])
+def test_the_w8a8_stack_gives_the_layer_paths_hidden_states_bit_for_bit(tiny_llama_dir, kernels, num_requests):
+    """Twenty requests: decode steps of 20 rows, past the int8 GEMV's 16, run on the stack's int8
+    tiles; five: on its int8 GEMV. Either way with the layer path's hidden states (which takes the
+    same kernels, one call each)."""
+    fused_runner = _runner(tiny_llama_dir, torch.bfloat16, "w8a8", fused=True, max_num_seqs=32)
+    stack = fused_runner.model.model.decode_stack
+    assert stack is not None and stack.weight_kind == WEIGHTS_INT8_TILES
+    prompt_lens = [1 + i % 2 for i in range(num_requests)]  # one prefill step within the 32-token budget
+    fused, fused_tokens = _run(fused_runner, prompt_lens, max_tokens=6)
+    assert fused.stack_rows and max(fused.stack_rows) == num_requests
+    layered, layered_tokens = _run(_runner(tiny_llama_dir, torch.bfloat16, "w8a8", fused=False, max_num_seqs=32),
+                                   prompt_lens, max_tokens=6)
+    assert fused_tokens == layered_tokens
+    assert len(fused.hidden) == len(layered.hidden)
+    assert all(torch.equal(a, b) for a, b in zip(fused.hidden, layered.hidden))
