@@ -7,11 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.worker.config import cpu_has_amx_int8, cpu_has_int8_dot
 from services.worker.layers.int8_gemv import MAX_INT8_GEMV_ROWS, Int8Gemv
 from services.worker.layers.int8_kernels import quantize_per_channel
 from services.worker.layers.int8_linear import Int8Weight
 from services.worker.layers.w8a8 import W8A8Kernels, int_mm_is_exact
-from services.worker.models.decode_stack import WEIGHTS_INT8_TILES
+from services.worker.models.decode_stack import WEIGHTS_INT8, WEIGHTS_INT8_TILES
+from services.worker.platforms import cpu as cpu_platform
 from tests.worker.kernel_builds import library_for
 from tests.worker.test_decode_stack import _run, _runner
 
@@ -96,6 +98,8 @@ def test_the_w8a8_stack_gives_the_layer_paths_hidden_states_bit_for_bit(tiny_lla
     """Twenty requests: decode steps of 20 rows, past the int8 GEMV's 16, run on the stack's int8
     tiles; five: on its int8 GEMV. Either way with the layer path's hidden states (which takes the
     same kernels, one call each)."""
+    if cpu_has_amx_int8():
+        pytest.skip("on an AMX-INT8 CPU W8A8 keeps oneDNN's int8 GEMM past the GEMV (cpu._max_int8_tile_rows)")
     fused_runner = _runner(tiny_llama_dir, torch.bfloat16, "w8a8", fused=True, max_num_seqs=32)
     stack = fused_runner.model.model.decode_stack
     assert stack is not None and stack.weight_kind == WEIGHTS_INT8_TILES
@@ -107,3 +111,16 @@ def test_the_w8a8_stack_gives_the_layer_paths_hidden_states_bit_for_bit(tiny_lla
     assert fused_tokens == layered_tokens
     assert len(fused.hidden) == len(layered.hidden)
     assert all(torch.equal(a, b) for a, b in zip(fused.hidden, layered.hidden))
+
+
+def test_an_amx_int8_cpu_keeps_onednn_past_the_gemv(tiny_llama_dir, monkeypatch):
+    """The choice runs on any machine: with AMX-INT8 reported, no weight gets int8 tiles and the
+    stack runs the int8 GEMV's rows only (oneDNN, on AMX there, takes the rest)."""
+    if not (cpu_has_int8_dot() and int_mm_is_exact()):
+        pytest.skip("W8A8 is refused on this CPU (no exact int8 dot products)")
+    monkeypatch.setattr(cpu_platform, "cpu_has_amx_int8", lambda: True)
+    runner = _runner(tiny_llama_dir, torch.bfloat16, "w8a8", fused=True)
+    stack = runner.model.model.decode_stack
+    assert stack is not None and stack.weight_kind == WEIGHTS_INT8 and stack.max_num_rows == MAX_INT8_GEMV_ROWS
+    layer = runner.model.model.layers[0].mlp.down_proj
+    assert layer.int8_weight.tiles is None
