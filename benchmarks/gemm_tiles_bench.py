@@ -99,12 +99,20 @@ def main() -> None:
     gemv = Gemv(library) if library is not None else None
     if gemv is None or not gemv.has_tiles:
         raise SystemExit("no column tiles here: they need the CPU kernels built with AVX512_BF16")
+    report = machine_header()
+    report["matmuls"] = matmuls(gemv, [int(r) for r in args.matmul_rows.split(",") if r])
+    report["decode_steps"] = decode_steps([int(r) for r in args.step_rows.split(",") if r], args.repeats)
+    write_report(Path(args.out), report)
+
+
+def machine_header() -> dict:
+    """The CPU flags and torch threads a kernel report starts with, printed too."""
     flags = cpu_flags()
     print(f"CPU flags: {' '.join(flags)}; torch threads {torch.get_num_threads()}", flush=True)
-    report = {"cpu_flags": flags, "torch_threads": torch.get_num_threads(),
-              "matmuls": matmuls(gemv, [int(r) for r in args.matmul_rows.split(",") if r]),
-              "decode_steps": decode_steps([int(r) for r in args.step_rows.split(",") if r], args.repeats)}
-    out = Path(args.out)
+    return {"cpu_flags": flags, "torch_threads": torch.get_num_threads()}
+
+
+def write_report(out: Path, report: dict) -> None:
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
 

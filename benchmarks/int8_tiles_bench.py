@@ -12,13 +12,11 @@ bfloat16 tiles need AVX512_BF16; without it their column is left out.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
-from benchmarks.gemm_tiles_bench import NUM_LAYERS, SHAPES, _pass_ms
-from benchmarks.machine_probe import cpu_flags
+from benchmarks.gemm_tiles_bench import NUM_LAYERS, SHAPES, _pass_ms, machine_header, write_report
 from services.worker.cpu_kernels import load_cpu_kernels
 from services.worker.layers.gemv import Gemv
 from services.worker.layers.int8_kernels import quantize_per_channel
@@ -52,13 +50,9 @@ def main() -> None:
     kernels = W8A8Kernels(library) if library is not None else None
     if kernels is None or not kernels.has_tiles:
         raise SystemExit("no int8 column tiles here: they need the CPU kernels built with AVX512_VNNI")
-    flags = cpu_flags()
-    print(f"CPU flags: {' '.join(flags)}; torch threads {torch.get_num_threads()}", flush=True)
-    report = {"cpu_flags": flags, "torch_threads": torch.get_num_threads(),
-              "matmuls": matmuls(kernels, Gemv(library), [int(r) for r in args.matmul_rows.split(",") if r])}
-    out = Path(args.out)
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    report = machine_header()
+    report["matmuls"] = matmuls(kernels, Gemv(library), [int(r) for r in args.matmul_rows.split(",") if r])
+    write_report(Path(args.out), report)
 
 
 if __name__ == "__main__":

@@ -275,6 +275,7 @@ def quantize_model(model: nn.Module, dtype: torch.dtype, native_bf16: bool,
     selector = selector or Int8PathSelector()
     embeddings = {id(m.weight): m for m in model.modules() if isinstance(m, VocabEmbedding)}
     layers = [m for m in model.modules() if isinstance(m, LinearBase)]
+    use_tiles = w8a8 is not None and w8a8.has_tiles and dtype == torch.bfloat16
     num_from_checkpoint = num_tied = num_gemv = 0
     gemv_rows: list[int] = []
     float_bytes = int8_bytes = 0
@@ -287,7 +288,7 @@ def quantize_model(model: nn.Module, dtype: torch.dtype, native_bf16: bool,
             qweight, scales = quantize_per_channel(layer.weight)
         int8 = Int8Weight(qweight, scales, native_bf16=native_bf16)
         int8.w8a8 = w8a8
-        if w8a8 is not None and w8a8.has_tiles and dtype == torch.bfloat16:
+        if use_tiles:
             int8.tiles = w8a8.pack_tiles(int8.qweight)
             int8_bytes += int8.tiles.data.numel()
         int8.max_int8pack_rows = 0 if w8a8 is not None else selector.max_int8pack_rows(int8, dtype)
@@ -308,7 +309,7 @@ def quantize_model(model: nn.Module, dtype: torch.dtype, native_bf16: bool,
     if num_gemv:
         low, high = min(gemv_rows), max(gemv_rows)
         summary += f", {num_gemv} on the int8 GEMV up to {low if low == high else f'{low}-{high}'} rows"
-    if w8a8 is not None and w8a8.has_tiles and dtype == torch.bfloat16:
+    if use_tiles:
         limit = "" if w8a8.max_tile_rows == MAX_INT8_TILE_ROWS else f" up to {w8a8.max_tile_rows} rows"
         summary += f", W8A8 on int8 column tiles{limit}"
     return summary + (", activations quantized per row above (W8A8, torch._int_mm)" if w8a8 is not None else "")
