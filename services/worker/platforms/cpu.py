@@ -44,6 +44,7 @@ from services.worker.layers.linear import (MAX_GEMV_ROWS, MAX_TILE_ROWS, add_flo
                                           prepack_cpu_weights)
 from services.worker.layers.w8a8 import MAX_INT8_TILE_ROWS, W8A8Kernels, int_mm_is_exact
 from services.worker.models.decode_stack import DecodeLayersKernel
+from services.worker.platforms.cpu_malloc import keep_step_memory
 from services.worker.platforms.interface import AttentionHeads, Platform
 from services.worker.sampler import TorchSampler
 
@@ -105,6 +106,8 @@ class CpuPlatform(Platform):
 
     @classmethod
     def from_config(cls, config: WorkerConfig, dtype: torch.dtype, heads: AttentionHeads) -> CpuPlatform:
+        if not keep_step_memory():
+            logger.info("malloc thresholds not set (no glibc mallopt): steps may fault their activations in again")
         kernels = None
         if config.attention_backend != "torch":
             kernels = load_cpu_kernels(Path(config.cache_dir) if config.cache_dir else None)

@@ -1,0 +1,52 @@
+"""The CPU worker's glibc malloc settings (services/worker/platforms/cpu_malloc.py)."""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import subprocess
+import sys
+
+import pytest
+
+from services.worker.platforms import cpu_malloc
+
+GLIBC = ctypes.util.find_library("c") is not None and hasattr(ctypes.CDLL(ctypes.util.find_library("c")), "mallopt")
+
+
+@pytest.mark.skipif(not GLIBC, reason="needs glibc's mallopt")
+def test_freed_step_memory_is_reused_without_new_mappings():
+    # In a fresh process: 12 MiB blocks allocated and freed in turn are mapped anew each time by
+    # default (the count of mmap'd chunks glibc reports goes up and down), and come from the heap
+    # once the thresholds are set.
+    script = f"""
+import ctypes, ctypes.util, sys
+sys.path.insert(0, {str(cpu_malloc.__file__.rsplit('/services/', 1)[0])!r})
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+class Mallinfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                              "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc.mallinfo2.restype = Mallinfo2
+def mapped_while_held():
+    before = libc.mallinfo2().hblks
+    p = libc.malloc(12 << 20)
+    n = libc.mallinfo2().hblks - before
+    libc.free(p)
+    return n
+if sys.argv[1] == "set":
+    from services.worker.platforms.cpu_malloc import keep_step_memory
+    assert keep_step_memory()
+# the default threshold rises after a mapped block is freed; the first block of a size shows it
+print(mapped_while_held())
+"""
+    default = subprocess.run([sys.executable, "-c", script, "default"], capture_output=True, text=True, check=True)
+    tuned = subprocess.run([sys.executable, "-c", script, "set"], capture_output=True, text=True, check=True)
+    assert int(default.stdout) == 1, default.stdout  # a 12 MiB block is its own mapping by default
+    assert int(tuned.stdout) == 0, tuned.stdout  # and comes from the heap with the thresholds set
+
+
+def test_without_mallopt_nothing_is_set(monkeypatch):
+    monkeypatch.setattr(cpu_malloc.ctypes.util, "find_library", lambda name: None)
+    assert cpu_malloc.keep_step_memory() is False
