@@ -95,14 +95,16 @@ def test_rows_past_the_gemv_take_the_tiles_with_the_onednn_paths_result(kernels,
 
 @pytest.mark.parametrize("num_requests", [20, 5])
 def test_the_w8a8_stack_gives_the_layer_paths_hidden_states_bit_for_bit(tiny_llama_dir, kernels, num_requests):
-    """Twenty requests: decode steps of 20 rows, past the int8 GEMV's 16, run on the stack's int8
-    tiles; five: on its int8 GEMV. Either way with the layer path's hidden states (which takes the
-    same kernels, one call each)."""
+    """Decode steps of 20 rows and of 5 run on the stack's int8 tiles (W8A8 takes them from one row,
+    the int8 GEMV none), with the layer path's hidden states (which takes the same kernels, one call
+    each)."""
     if cpu_has_amx_int8():
         pytest.skip("on an AMX-INT8 CPU W8A8 keeps oneDNN's int8 GEMM past the GEMV (cpu._max_int8_tile_rows)")
     fused_runner = _runner(tiny_llama_dir, torch.bfloat16, "w8a8", fused=True, max_num_seqs=32)
     stack = fused_runner.model.model.decode_stack
-    assert stack is not None and stack.weight_kind == WEIGHTS_INT8_TILES
+    assert stack is not None and stack.weight_kind == WEIGHTS_INT8_TILES and stack.max_gemv_rows == 0
+    weights = [layer.mlp.down_proj.int8_weight for layer in fused_runner.model.model.layers]
+    assert all(w.tiles is not None and w.max_gemv_rows == 0 for w in weights)
     prompt_lens = [1 + i % 2 for i in range(num_requests)]  # one prefill step within the 32-token budget
     fused, fused_tokens = _run(fused_runner, prompt_lens, max_tokens=6)
     assert fused.stack_rows and max(fused.stack_rows) == num_requests
