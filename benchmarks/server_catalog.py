@@ -14,7 +14,7 @@ from benchmarks.servers import ProcessServer, Server, SpindleServer, free_port, 
 # The rows with the int8 KV cache: their --quantization and what their weights are.
 KV8_ROWS = {"spindle-bf16-kv8": ("none", "bfloat16 weights"),
             "spindle-int8-kv8": ("int8", "weight-only int8 matmul weights, bfloat16 activations"),
-            "spindle-w8a8-kv8": ("w8a8", "int8 matmul weights, W8A8 above 16 rows")}
+            "spindle-w8a8-kv8": ("w8a8", "int8 matmul weights, W8A8")}
 
 def model_folder() -> str:
     from services.common.model_files import resolve_model
@@ -93,9 +93,10 @@ def make_servers(names: list[str], dtype: str, install: bool, bf16_max_concurren
             servers.append(server)
         elif name == "spindle-w8a8":
             server = SpindleServer("spindle-w8a8", env={"SPINDLE_DTYPE": "bfloat16", "SPINDLE_QUANTIZATION": "w8a8"},
-                                   note="int8 matmul weights (per-channel scales); matmuls of more than 16 rows "
-                                        "quantize their bfloat16 activations per row (W8A8, the CPU's int8 dot "
-                                        f"products); c<={bf16_max_concurrency} only")
+                                   note="int8 matmul weights (per-channel scales); matmuls quantize their "
+                                        "bfloat16 activations per row (W8A8, the CPU's int8 dot products; up to "
+                                        "16 rows weight-only where the CPU lacks the int8 tiles); "
+                                        f"c<={bf16_max_concurrency} only")
             server.max_concurrency = bf16_max_concurrency
             servers.append(server)
         elif name in KV8_ROWS:  # as OpenVINO's CPU plugin keeps its cache: 8-bit

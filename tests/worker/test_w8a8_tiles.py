@@ -93,11 +93,11 @@ def test_rows_past_the_gemv_take_the_tiles_with_the_onednn_paths_result(kernels,
     assert calls == []
 
 
-@pytest.mark.parametrize("num_requests", [20, 5])
+@pytest.mark.parametrize("num_requests", [20, 5, 1])
 def test_the_w8a8_stack_gives_the_layer_paths_hidden_states_bit_for_bit(tiny_llama_dir, kernels, num_requests):
-    """Decode steps of 20 rows and of 5 run on the stack's int8 tiles (W8A8 takes them from one row,
-    the int8 GEMV none), with the layer path's hidden states (which takes the same kernels, one call
-    each)."""
+    """Decode steps of 20, 5 and 1 rows run on the stack's int8 tiles (W8A8 takes them from one
+    row, the int8 GEMV none), with the layer path's hidden states (which takes the same kernels, one
+    call each)."""
     if cpu_has_amx_int8():
         pytest.skip("on an AMX-INT8 CPU W8A8 keeps oneDNN's int8 GEMM past the GEMV (cpu._max_int8_tile_rows)")
     fused_runner = _runner(tiny_llama_dir, torch.bfloat16, "w8a8", fused=True, max_num_seqs=32)
