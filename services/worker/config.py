@@ -170,8 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
              help="bfloat16 on a CPU with AVX512_BF16 (and --cpu-gemv): hold each matmul weight in column tiles "
                   "in place of the GEMV's plain copy and multiply every matmul of up to 256 rows there (32-row "
                   "decode matmuls about 1.4x faster than oneDNN's); false keeps the plain GEMV for 8 rows. "
-                  "With --quantization w8a8 on AVX512_VNNI: int8 column tiles past the int8 GEMV's 16 "
-                  "rows (bit-identical to oneDNN's int8 GEMM, faster); false keeps oneDNN's")
+                  "With --quantization w8a8 on AVX512_VNNI: int8 column tiles for every row count "
+                  "(bit-identical to oneDNN's int8 GEMM, faster); false keeps the int8 GEMV up to 16 rows "
+                  "and oneDNN's GEMM above")
     add_flag(parser, "--cpu-fused-decode", type=bool, default=True,
              help="decode steps of a few rows (all matmuls on the GEMVs above) run every decoder layer in one "
                   "compiled call instead of nine kernel calls a layer from Python (the same kernels and results)")

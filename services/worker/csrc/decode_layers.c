@@ -54,7 +54,8 @@ enum { PROJ_QKV = 0, PROJ_O = 1, PROJ_GATE_UP = 2, PROJ_DOWN = 3, NUM_PROJ = 4 }
 /* The model, filled once by decode_stack.py; the arrays hold num_layers entries each. For every
  * projection: its weight (bfloat16 or int8 [out, in], or bfloat16 column tiles), int8 scales
  * (float32 [out], NULL for bf16) and bias (the activations' dtype, or NULL); with WEIGHTS_INT8_TILES
- * (W8A8) also its int8 column tiles, which take the steps of more than max_gemv_rows rows. */
+ * (W8A8) also its int8 column tiles, which take the steps of more than max_gemv_rows rows (0 where
+ * quantize_model gives W8A8 every row count on them). */
 typedef struct {
   int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
   float eps, scale;

@@ -66,7 +66,7 @@ class Int8Weight:
         self.gemv: Int8Gemv | None = None
         self.max_gemv_rows = MAX_INT8_GEMV_ROWS  # raised where the selector measured the GEMV faster
         self.w8a8: W8A8Kernels | None = None  # set: rows off the GEMV quantize their activations
-        self.tiles: Int8TiledWeight | None = None  # W8A8's column tiles, for rows past the GEMV's
+        self.tiles: Int8TiledWeight | None = None  # W8A8's column tiles, for the rows the GEMV does not take
 
     def use_gemv(self, gemv: Int8Gemv) -> bool:
         """Multiplies x of up to MAX_INT8_GEMV_ROWS rows on `gemv` from now on, where it supports

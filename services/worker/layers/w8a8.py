@@ -5,15 +5,16 @@ through PyTorch's int8 GEMM, `torch._int_mm` (oneDNN), instead of widening the w
 
 On a 2-core Zen 4 (AVX512_VNNI) `_int_mm` ran SmolLM2-135M's layer shapes 1.6x (32 rows) to 2x
 (256 rows) faster than oneDNN's prepacked bf16 GEMM (32 x 576 -> 3072: 106 against 176 us); the
-quantizing and rescaling around it are one compiled pass each (csrc/w8a8.c). A few rows only stream the weight, so without
-the tiles below `Int8Weight` keeps up to 16 on the weight-only int8 GEMV (activations unquantized)
-and hands more rows here.
+quantizing and rescaling around it are one compiled pass each (csrc/w8a8.c). A few rows only
+stream the weight, so without the tiles below `Int8Weight` keeps up to 16 on the weight-only int8
+GEMV (activations unquantized) and hands more rows here.
 
 Where the library is built with AVX512_VNNI, each weight is also packed once into int8 column
 tiles (`Int8TiledWeight`, csrc/gemm_int8_tiles.c): the same quantized rows and int32 sums as
 `_int_mm`, scaled back by the same row pass, so bit-identical, and faster at every row count
-measured (`MAX_INT8_TILE_ROWS`); with them W8A8 takes every row count, one row too (quantize_model). oneDNN's GEMM serves CPUs without AVX512_VNNI, and those with
-AMX-INT8, where it may win (unmeasured).
+measured (`MAX_INT8_TILE_ROWS`); with them W8A8 takes every row count, one row too
+(`quantize_model`). oneDNN's GEMM serves CPUs without AVX512_VNNI, and those with AMX-INT8, where
+it may win (unmeasured).
 
 `_int_mm` is only exact where oneDNN multiplies int8 without 16-bit intermediates: without VNNI
 (AVX2's VPMADDUBSW saturates pairs of products) its sums came out wrong for full-range int8, so the
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
-# Every row count past the int8 GEMV's: 30 layers of SmolLM2-135M's matmuls, weights from memory,
+# Every row count: 30 layers of SmolLM2-135M's matmuls, weights from memory,
 # on a 2-core Zen 5 (AVX512_VNNI), tiles against oneDNN's int8 GEMM with its passes: 8 rows 3.4 /
 # 9.1 ms, 40 rows 7.9 / 14.5, 128 rows 19.4 / 24.7, 512 rows 67.9 / 73.9, 2,048 rows 287 / 300
 # (docs/benchmarks.md, "W8A8 column tiles").

@@ -60,8 +60,8 @@ def _max_tile_rows() -> int:
 
 
 def _max_int8_tile_rows() -> int:
-    """Rows W8A8's int8 column tiles take past the int8 GEMV's: none where AMX-INT8 gives oneDNN's
-    int8 GEMM the edge (unmeasured here, as for the bfloat16 tiles), else MAX_INT8_TILE_ROWS."""
+    """Rows W8A8's int8 column tiles take: none where AMX-INT8 gives oneDNN's int8 GEMM the edge
+    (unmeasured here, as for the bfloat16 tiles), else MAX_INT8_TILE_ROWS."""
     return 0 if cpu_has_amx_int8() else MAX_INT8_TILE_ROWS
 
 
