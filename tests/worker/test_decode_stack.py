@@ -13,7 +13,7 @@ from services.worker.model_loader import load_config, load_model
 from services.worker.model_runner import ModelRunner
 from services.worker.models.decode_stack import WEIGHTS_BF16, WEIGHTS_BF16_TILES, DecodeStack
 from services.worker.platforms import AttentionHeads, build_platform
-from services.worker.platforms import cpu as cpu_platform
+from services.worker.layers.tile_rows import TileRowSelector
 from tests.worker.harness import VOCAB_SIZE, MiniScheduler
 
 BLOCK_SIZE = 4
@@ -116,7 +116,7 @@ def test_the_tiled_stack_takes_steps_of_more_rows_than_the_plain_gemv(tiny_llama
 @pytest.mark.parametrize("tiles", [True, False], ids=["tiles", "gemv"])
 def test_steps_of_more_rows_than_the_gemv_takes_keep_the_layer_path(tiny_llama_dir, tiles, monkeypatch):
     # The tiles' limit (256 rows) lowered, so that a small runner can run steps above it.
-    monkeypatch.setattr(cpu_platform, "_max_tile_rows", lambda: 6)
+    monkeypatch.setattr(TileRowSelector, "max_rows", lambda self, weight, tiled, gemv: 6)
     runner = _runner(tiny_llama_dir, torch.bfloat16, "none", fused=True, tiles=tiles)
     stack = runner.model.model.decode_stack
     prompt_lens = [5 + i for i in range(stack.max_num_rows + 2)]

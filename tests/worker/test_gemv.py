@@ -17,6 +17,7 @@ from services.worker.layers.embedding import LMHead, VocabEmbedding
 from services.worker.layers.gemv import Gemv, use_gemv
 from services.worker.layers.layer_ops import TorchLayerOps
 from services.worker.layers.linear import MAX_GEMV_ROWS, MAX_TILE_ROWS, Linear
+from services.worker.layers.tile_rows import TileRowSelector
 from services.worker.platforms import AttentionHeads, build_platform
 from services.worker.platforms import cpu as cpu_platform
 from services.worker.platforms.cpu import CpuPlatform
@@ -242,18 +243,32 @@ def test_cpu_gemv_off_keeps_every_weight_packed_only(kernel_cache):
     assert all(m.gemv is None for m in modules)
 
 
-def test_with_amx_the_tiles_stop_where_a_matmul_only_streams_its_weight(kernel_cache, monkeypatch):
-    """oneDNN multiplies on AMX where the CPU has it, which the tiles were not measured against: they
-    then take only the rows the plain GEMV took."""
+def test_with_amx_each_shape_takes_the_tiles_up_to_its_measured_limit(kernel_cache, monkeypatch):
+    """oneDNN multiplies on AMX where the CPU has it: each weight shape's row limit on the tiles is
+    then measured (tile_rows.py, timing stubbed here); without AMX it is MAX_TILE_ROWS, untimed."""
+    measured = []
+
+    def measure(self, weight, tiled, gemv):
+        measured.append((tiled.n_size, tiled.k_size))
+        return 16 if tiled.n_size == 40 else 32
+
+    monkeypatch.setattr(TileRowSelector, "_measure", measure)
     monkeypatch.setattr(cpu_platform, "cpu_has_amx_bf16", lambda: True)
     platform = build_platform(WorkerConfig(cache_dir=str(kernel_cache)), torch.device("cpu"), torch.bfloat16,
                               AttentionHeads(4, 2, 64))
-    assert platform.gemv.max_tile_rows == MAX_GEMV_ROWS
+    assert platform.tile_rows.is_measured and platform.gemv.max_tile_rows == MAX_TILE_ROWS
+    if platform.gemv.has_tiles:
+        modules = _bf16_layer_and_head()
+        summary = platform.process_weights_after_loading(modules)
+        assert [m.gemv_tiles.max_rows for m in modules] == [16, 32] and sorted(measured) == [(40, 96), (70, 96)]
+        assert summary.endswith(", 2 in column tiles up to 16-32 (by shape) rows")
+        assert (kernel_cache / cpu_platform.TILE_ROWS_FILE).is_file()  # kept for the next start
     monkeypatch.setattr(cpu_platform, "cpu_has_amx_bf16", lambda: False)
+    measured.clear()
     platform = build_platform(WorkerConfig(cache_dir=str(kernel_cache)), torch.device("cpu"), torch.bfloat16,
                               AttentionHeads(4, 2, 64))
-    assert platform.gemv.max_tile_rows == MAX_TILE_ROWS
+    assert not platform.tile_rows.is_measured
     if platform.gemv.has_tiles:
         modules = _bf16_layer_and_head()
         platform.process_weights_after_loading(modules)
-        assert all(m.gemv_tiles.max_rows == MAX_TILE_ROWS for m in modules)
+        assert all(m.gemv_tiles.max_rows == MAX_TILE_ROWS for m in modules) and not measured

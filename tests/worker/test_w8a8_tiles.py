@@ -10,7 +10,7 @@ import torch
 from services.worker.config import cpu_has_amx_int8, cpu_has_int8_dot
 from services.worker.layers.int8_gemv import MAX_INT8_GEMV_ROWS, Int8Gemv
 from services.worker.layers.int8_kernels import quantize_per_channel
-from services.worker.layers.int8_linear import Int8Weight
+from services.worker.layers.int8_linear import Int8PathSelector, Int8Weight
 from services.worker.layers.w8a8 import W8A8Kernels, int_mm_is_exact
 from services.worker.models.decode_stack import WEIGHTS_INT8, WEIGHTS_INT8_TILES
 from services.worker.platforms import cpu as cpu_platform
@@ -99,7 +99,7 @@ def test_the_w8a8_stack_gives_the_layer_paths_hidden_states_bit_for_bit(tiny_lla
     row, the int8 GEMV none), with the layer path's hidden states (which takes the same kernels, one
     call each)."""
     if cpu_has_amx_int8():
-        pytest.skip("on an AMX-INT8 CPU W8A8 keeps oneDNN's int8 GEMM past the GEMV (cpu._max_int8_tile_rows)")
+        pytest.skip("on an AMX-INT8 CPU W8A8's tiles stop at each shape's measured rows (tested with it stubbed)")
     fused_runner = _runner(tiny_llama_dir, torch.bfloat16, "w8a8", fused=True, max_num_seqs=32)
     stack = fused_runner.model.model.decode_stack
     assert stack is not None and stack.weight_kind == WEIGHTS_INT8_TILES and stack.max_gemv_rows == 0
@@ -115,14 +115,66 @@ def test_the_w8a8_stack_gives_the_layer_paths_hidden_states_bit_for_bit(tiny_lla
     assert all(torch.equal(a, b) for a, b in zip(fused.hidden, layered.hidden))
 
 
-def test_an_amx_int8_cpu_keeps_onednn_past_the_gemv(tiny_llama_dir, monkeypatch):
-    """The choice runs on any machine: with AMX-INT8 reported, no weight gets int8 tiles and the
-    stack runs the int8 GEMV's rows only (oneDNN, on AMX there, takes the rest)."""
+def test_an_amx_int8_cpu_keeps_onednn_past_the_gemv_where_it_won_from_one_row(tiny_llama_dir, monkeypatch, tmp_path):
+    """The choice runs on any machine: with AMX-INT8 reported and oneDNN's int8 GEMM timed faster
+    from one row (stubbed), no weight gets int8 tiles and the stack runs the int8 GEMV's rows only."""
     if not (cpu_has_int8_dot() and int_mm_is_exact()):
         pytest.skip("W8A8 is refused on this CPU (no exact int8 dot products)")
     monkeypatch.setattr(cpu_platform, "cpu_has_amx_int8", lambda: True)
+    monkeypatch.setattr(Int8PathSelector, "_measure_int8_tiles", lambda self, weight, tiles: 0)
+    # The stubbed limits stay out of the real cache folder.
+    monkeypatch.setattr(cpu_platform, "_cache_dir", lambda config: tmp_path)
     runner = _runner(tiny_llama_dir, torch.bfloat16, "w8a8", fused=True)
     stack = runner.model.model.decode_stack
     assert stack is not None and stack.weight_kind == WEIGHTS_INT8 and stack.max_num_rows == MAX_INT8_GEMV_ROWS
     layer = runner.model.model.layers[0].mlp.down_proj
     assert layer.int8_weight.tiles is None
+
+
+def test_an_amx_int8_cpu_takes_the_tiles_up_to_each_shapes_measured_rows(tiny_llama_dir, kernels, monkeypatch,
+                                                                          tmp_path):
+    """With AMX-INT8 reported and the tiles timed faster up to 8 rows (stubbed): every weight is
+    tiled up to 8 rows, the int8 GEMV takes none, the stack runs up to 8 rows on the tiles, and the
+    tokens are those of the untimed tiles (the GEMM above 8 rows gives the same products)."""
+    if not int_mm_is_exact():
+        pytest.skip("W8A8 is refused on this CPU (no exact int8 dot products)")
+    timed = []
+
+    def measure(self, weight, tiles):
+        timed.append(tuple(weight.shape))
+        return 8
+
+    monkeypatch.setattr(cpu_platform, "cpu_has_amx_int8", lambda: True)
+    monkeypatch.setattr(Int8PathSelector, "_measure_int8_tiles", measure)
+    monkeypatch.setattr(cpu_platform, "_cache_dir", lambda config: tmp_path)
+    runner = _runner(tiny_llama_dir, torch.bfloat16, "w8a8", fused=True, max_num_seqs=32)
+    stack = runner.model.model.decode_stack
+    assert stack is not None and stack.weight_kind == WEIGHTS_INT8_TILES and stack.max_num_rows == 8
+    weights = [layer.mlp.down_proj.int8_weight for layer in runner.model.model.layers]
+    assert all(w.tiles is not None and w.tiles.max_rows == 8 and w.max_gemv_rows == 0 for w in weights)
+    assert timed and len(timed) == len(set(timed))  # once per shape
+    prompt_lens = [1 + i % 2 for i in range(12)]  # decode steps of 12 rows: past the stack, on the layer path
+    fused, tokens = _run(runner, prompt_lens, max_tokens=6)
+    assert fused.stack_rows == [] or max(fused.stack_rows) <= 8
+    monkeypatch.setattr(cpu_platform, "cpu_has_amx_int8", lambda: False)
+    _, untimed_tokens = _run(_runner(tiny_llama_dir, torch.bfloat16, "w8a8", fused=True, max_num_seqs=32),
+                             prompt_lens, max_tokens=6)
+    assert tokens == untimed_tokens
+
+
+def test_the_int8_tiles_limit_is_timed_once_per_shape_and_stored(kernels, tmp_path):
+    """A real timing on this CPU, as an AMX-INT8 CPU would run it: the limit is 0, a grid count or
+    every row count, stored per machine and read back without timing."""
+    from services.worker.layers.int8_linear import ROW_GRID
+    from services.worker.layers.w8a8 import MAX_INT8_TILE_ROWS
+
+    torch.manual_seed(0)
+    qweight, scales = quantize_per_channel(torch.randn(192, 128))
+    weight = Int8Weight(qweight, scales, native_bf16=True)
+    weight.w8a8 = kernels
+    cache = tmp_path / "int8_kernel_thresholds.json"
+    limit = Int8PathSelector(num_repeats=1, cache_path=cache).max_int8_tile_rows(weight, kernels.pack_tiles(qweight))
+    assert limit in (0, *ROW_GRID, MAX_INT8_TILE_ROWS)
+    again = Int8PathSelector(cache_path=cache)
+    again._measure_int8_tiles = lambda weight, tiles: pytest.fail("a stored limit was timed again")
+    assert again.max_int8_tile_rows(weight, kernels.pack_tiles(qweight)) == limit

@@ -11,16 +11,22 @@ Where the library is built with AVX512_BF16, each such weight is instead repacke
 tiles (`TiledWeight`, csrc/gemm_tiles.c), which multiply without horizontal sums: as fast as the
 GEMV at one row and faster than oneDNN's prepacked GEMM up to `MAX_TILE_ROWS` (linear.py) rows, so
 the layers then use the tiles for every matmul of that many rows or fewer and keep no plain weight.
+Where the CPU has AMX each weight shape's limit is measured instead (tile_rows.py).
 """
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from services.worker.layers.linear import MAX_TILE_ROWS, LinearBase
+
+if TYPE_CHECKING:
+    from services.worker.layers.tile_rows import TileRowSelector
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _OUT_DTYPES = (torch.bfloat16, torch.float32)  # x's dtype, which the output takes
@@ -72,12 +78,13 @@ class Gemv:
                  x.shape[0], weight.shape[0], weight.shape[1])
         return out
 
-    def pack_tiles(self, weight: torch.Tensor) -> TiledWeight:
-        """`weight` [N, K] (as `supports_weight` accepts it) repacked into column tiles."""
+    def pack_tiles(self, weight: torch.Tensor, max_rows: int | None = None) -> TiledWeight:
+        """`weight` [N, K] (as `supports_weight` accepts it) repacked into column tiles, taken up to
+        `max_rows` rows (None: `max_tile_rows`)."""
         n_size, k_size = weight.shape
         data = torch.empty(self._tiles_numel(n_size, k_size), dtype=torch.bfloat16)
         self._pack(weight.data_ptr(), data.data_ptr(), n_size, k_size)
-        return TiledWeight(data, n_size, k_size, self.max_tile_rows)
+        return TiledWeight(data, n_size, k_size, self.max_tile_rows if max_rows is None else max_rows)
 
     def tiles(self, x: torch.Tensor, weight: TiledWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
         """y = x W^T (+ b) for bfloat16 x [M, K] on the tiled W; y [M, N] bfloat16."""
@@ -91,13 +98,17 @@ class Gemv:
         return out
 
 
-def use_gemv(model: nn.Module, gemv: Gemv) -> int:
+def use_gemv(model: nn.Module, gemv: Gemv, tile_rows: TileRowSelector | None = None) -> int:
     """Hands `gemv` to every matmul layer of `model` whose weight it supports; returns how many.
     Run before prepacking: a layer with the GEMV keeps its plain weight beside a packed one, or, where
-    the library has the column tiles, the tiled weight."""
+    the library has the column tiles, the tiled weight, taken up to the rows `tile_rows` gives its
+    shape (None: `gemv.max_tile_rows`)."""
     layers = [m for m in model.modules() if isinstance(m, LinearBase) and Gemv.supports_weight(m.weight, m.bias)]
     for layer in layers:
         layer.gemv = gemv
         if gemv.has_tiles:
-            layer.gemv_tiles = gemv.pack_tiles(layer.weight)
+            tiled = gemv.pack_tiles(layer.weight)
+            if tile_rows is not None:
+                tiled = dataclasses.replace(tiled, max_rows=tile_rows.max_rows(layer.weight, tiled, gemv))
+            layer.gemv_tiles = tiled
     return len(layers)

@@ -21,10 +21,8 @@ the looked-up rows and scales them, and no float copy of the 49k x 576 table sta
 """
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
-import os
-import time
 from pathlib import Path
 
 import torch
@@ -32,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.layers.int8_gemv import MAX_INT8_GEMV_ROWS, Int8Gemv
+from services.worker.layers.kernel_timing import ThresholdStore, best_time, last_win
 from services.worker.layers.w8a8 import MAX_INT8_TILE_ROWS, Int8TiledWeight, W8A8Kernels
 from services.worker.layers.int8_kernels import (
     dequantize_chunks_linear,
@@ -45,7 +44,6 @@ logger = logging.getLogger(__name__)
 ROW_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # row counts timed at start-up
 GEMV_ROW_GRID = (32, 64, 128, 256)  # past MAX_INT8_GEMV_ROWS, where the GEMV is timed against the other path
 NO_LIMIT = 2**31  # int8pack_mm at every row count
-MIN_RUN_S = 0.002  # each timed run of a kernel lasts about this long
 
 
 class Int8Weight:
@@ -143,7 +141,7 @@ class Int8PathSelector:
         self.cache_path = cache_path
         # (out, in, activations' dtype, widening GEMM's dtype) -> threshold
         self.thresholds: dict[tuple[int, int, torch.dtype, torch.dtype], int] = {}
-        self._stored: dict | None = None  # read on first use: a worker without int8 never opens it
+        self._store = ThresholdStore(cache_path, "int8 thresholds")  # read on first use
 
     def max_int8pack_rows(self, weight: Int8Weight, dtype: torch.dtype) -> int:
         if not supports_int8pack(weight.qweight):
@@ -168,41 +166,22 @@ class Int8PathSelector:
                         self.thresholds[key])
         return self.thresholds[key]
 
+    def max_int8_tile_rows(self, weight: Int8Weight, tiles: Int8TiledWeight) -> int:
+        """Up to how many bfloat16 rows W8A8 multiplies `weight` on its int8 column tiles rather
+        than oneDNN's int8 GEMM (both give the same products): timed once per shape where AMX-INT8
+        gives oneDNN the tile unit. 0 where the GEMM won from one row (the weight then keeps the
+        weight-only GEMV's rows), MAX_INT8_TILE_ROWS where it never won."""
+        key = (*weight.shape, torch.bfloat16, "int8-tiles")
+        if key not in self.thresholds:
+            self._find(key, lambda: self._measure_int8_tiles(weight, tiles))
+            rows = self.thresholds[key]
+            logger.info("int8 %dx%d W8A8: int8 column tiles %s, oneDNN's int8 GEMM above", key[0], key[1],
+                        "at every row count" if rows == MAX_INT8_TILE_ROWS else f"up to {rows} rows")
+        return self.thresholds[key]
+
     def _find(self, key: tuple, measure) -> None:
-        if self._stored is None:
-            self._stored = self._load()
-        stored = self._stored.get(self._cache_key(key))
-        self.thresholds[key] = stored if isinstance(stored, int) else measure()
-        self._save(key)
-
-    @staticmethod
-    def _cache_key(key: tuple) -> str:
-        machine = f"{_cpu_model()}/{torch.backends.cpu.get_cpu_capability()}/{torch.get_num_threads()}t/torch-{torch.__version__}"
         dtypes = "/".join(str(d).removeprefix("torch.") for d in key[2:])
-        return f"{machine}/{key[0]}x{key[1]}/{dtypes}"
-
-    def _load(self) -> dict:
-        if self.cache_path is None or not self.cache_path.is_file():
-            return {}
-        try:
-            stored = json.loads(self.cache_path.read_text())
-        except (OSError, ValueError) as exc:
-            logger.warning("ignoring unreadable %s: %s", self.cache_path, exc)
-            return {}
-        return stored if isinstance(stored, dict) else {}
-
-    def _save(self, key: tuple) -> None:
-        name = self._cache_key(key)
-        if self.cache_path is None or self._stored.get(name) == self.thresholds[key]:
-            return
-        self._stored[name] = self.thresholds[key]
-        try:  # best effort: a read-only cache measures again at the next start
-            self.cache_path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.cache_path.with_name(f".{self.cache_path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(self._stored, indent=1, sort_keys=True) + "\n")
-            os.replace(tmp, self.cache_path)
-        except OSError as exc:
-            logger.warning("int8 thresholds not stored in %s: %s", self.cache_path, exc)
+        self.thresholds[key] = self._store.get(f"{key[0]}x{key[1]}/{dtypes}", measure)
 
     def _measure(self, weight: Int8Weight, dtype: torch.dtype) -> int:
         def int8pack_wins(num_rows: int) -> bool:
@@ -210,7 +189,7 @@ class Int8PathSelector:
             int8pack_s = self._best_time(lambda: weight.linear(x, use_int8pack=True))
             return int8pack_s <= self._best_time(lambda: weight.linear(x, use_int8pack=False))
 
-        threshold, never_lost = _last_win(ROW_GRID, int8pack_wins, 0)
+        threshold, never_lost = last_win(ROW_GRID, int8pack_wins, 0)
         return NO_LIMIT if never_lost else threshold
 
     def _measure_gemv(self, weight: Int8Weight, dtype: torch.dtype) -> int:
@@ -220,46 +199,21 @@ class Int8PathSelector:
             gemv_s = self._best_time(lambda: weight.gemv(x, weight.qweight, weight.scales))
             return gemv_s <= self._best_time(lambda: weight.linear(x, use_int8pack=use_int8pack))
 
-        return _last_win(GEMV_ROW_GRID, gemv_wins, MAX_INT8_GEMV_ROWS)[0]
+        return last_win(GEMV_ROW_GRID, gemv_wins, MAX_INT8_GEMV_ROWS)[0]
+
+    def _measure_int8_tiles(self, weight: Int8Weight, tiles: Int8TiledWeight) -> int:
+        w8a8 = weight.w8a8
+
+        def tiles_win(num_rows: int) -> bool:
+            x = torch.randn(num_rows, weight.shape[1]).to(torch.bfloat16)
+            tiles_s = self._best_time(lambda: w8a8.tiles(x, tiles, weight.scales))
+            return tiles_s <= self._best_time(lambda: w8a8.linear(x, weight.qweight, weight.scales))
+
+        threshold, never_lost = last_win(ROW_GRID, tiles_win, 0)
+        return MAX_INT8_TILE_ROWS if never_lost else threshold
 
     def _best_time(self, fn) -> float:
-        """Seconds per call: the best of `num_repeats` runs of enough calls to last about 2 ms (a
-        single 20 us call is too noisy to rank on a shared machine)."""
-        start = time.perf_counter()
-        fn()  # warm-up: first calls allocate and pick oneDNN kernels
-        num_calls = max(1, min(100, int(MIN_RUN_S / max(time.perf_counter() - start, 1e-6))))
-        best = float("inf")
-        for _ in range(self.num_repeats):
-            start = time.perf_counter()
-            for _ in range(num_calls):
-                fn()
-            best = min(best, (time.perf_counter() - start) / num_calls)
-        return best
-
-
-def _last_win(grid: tuple[int, ...], wins, threshold: int) -> tuple[int, bool]:
-    """The last row count of `grid` where `wins(num_rows)` held before it first failed twice in a
-    row (`threshold` if it never held; one failure is not enough), and whether it never failed.
-    Counts after the second failure are not timed."""
-    num_losses = 0
-    for num_rows in grid:
-        if wins(num_rows):
-            threshold, num_losses = (num_rows if num_losses == 0 else threshold), 0
-        else:
-            num_losses += 1
-            if num_losses == 2:
-                return threshold, False
-    return threshold, num_losses == 0
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown cpu"
+        return best_time(fn, self.num_repeats)
 
 
 def quantize_model(model: nn.Module, dtype: torch.dtype, native_bf16: bool,
@@ -279,6 +233,7 @@ def quantize_model(model: nn.Module, dtype: torch.dtype, native_bf16: bool,
     use_tiles = w8a8 is not None and w8a8.has_tiles and dtype == torch.bfloat16
     num_from_checkpoint = num_tied = num_gemv = 0
     gemv_rows: list[int] = []
+    tile_rows: list[int] = []  # each tiled weight's limit
     float_bytes = int8_bytes = 0
     for layer in layers:
         float_bytes += layer.weight.numel() * layer.weight.element_size()
@@ -290,15 +245,20 @@ def quantize_model(model: nn.Module, dtype: torch.dtype, native_bf16: bool,
         int8 = Int8Weight(qweight, scales, native_bf16=native_bf16)
         int8.w8a8 = w8a8
         if use_tiles:
-            int8.tiles = w8a8.pack_tiles(int8.qweight)
-            int8_bytes += int8.tiles.data.numel()
+            tiles = w8a8.pack_tiles(int8.qweight)
+            limit = selector.max_int8_tile_rows(int8, tiles) if w8a8.measures_tile_rows else tiles.max_rows
+            if limit > 0:
+                int8.tiles = dataclasses.replace(tiles, max_rows=limit)
+                int8_bytes += int8.tiles.data.numel()
+                tile_rows.append(limit)
         int8.max_int8pack_rows = 0 if w8a8 is not None else selector.max_int8pack_rows(int8, dtype)
         int8.scales_in(dtype)
         if gemv is not None and int8.use_gemv(gemv):
-            if use_tiles:
-                # W8A8's tiles take every row count, one row too (30 layers' matmuls at 1 / 8 / 16
-                # rows: 2.66 / 3.45 / 4.51 ms against the weight-only GEMV's 2.82 / 6.72 / 11.14),
-                # so a request's tokens no longer depend on how many rows share its step.
+            if int8.tiles is not None:
+                # W8A8's tiles take the rows from one (30 layers' matmuls at 1 / 8 / 16 rows: 2.66 /
+                # 3.45 / 4.51 ms against the weight-only GEMV's 2.82 / 6.72 / 11.14), and oneDNN's
+                # int8 GEMM above them gives the same products, so a request's tokens do not depend
+                # on how many rows share its step.
                 int8.max_gemv_rows = 0
             else:
                 num_gemv += 1
@@ -316,7 +276,10 @@ def quantize_model(model: nn.Module, dtype: torch.dtype, native_bf16: bool,
     if num_gemv:
         low, high = min(gemv_rows), max(gemv_rows)
         summary += f", {num_gemv} on the int8 GEMV up to {low if low == high else f'{low}-{high}'} rows"
-    if use_tiles:
-        limit = "" if w8a8.max_tile_rows == MAX_INT8_TILE_ROWS else f" up to {w8a8.max_tile_rows} rows"
+    if tile_rows:
+        low, high = min(tile_rows), max(tile_rows)
+        limit = "" if low == MAX_INT8_TILE_ROWS else f" up to {low if low == high else f'{low}-{high}'} rows"
         summary += f", W8A8 on int8 column tiles{limit} from one row"
+        if len(tile_rows) < len(layers):
+            summary += f" ({len(layers) - len(tile_rows)} weights on oneDNN's int8 GEMM instead)"
     return summary + (", activations quantized per row above (W8A8, torch._int_mm)" if w8a8 is not None else "")

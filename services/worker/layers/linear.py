@@ -143,8 +143,8 @@ WIDEN_CHUNK_ROWS = 1024  # weight rows widened per matmul
 MAX_GEMV_ROWS = 8  # CPU: up to this many rows, bfloat16 weights multiply on the compiled GEMV (gemv.py)
 # CPU with AVX512_BF16: up to this many rows on the column tiles (gemv.py), at or ahead of oneDNN's
 # prepacked bfloat16 GEMM for every SmolLM2 shape measured (docs/benchmarks.md, "Column tiles").
-# With AMX oneDNN multiplies on the tile unit, which the tiles were not measured against: they then
-# stop at MAX_GEMV_ROWS, where a matmul only streams its weight.
+# With AMX oneDNN multiplies on the tile unit: each weight shape's limit is then measured at
+# start-up, from MAX_GEMV_ROWS (where a matmul only streams its weight) to this (tile_rows.py).
 MAX_TILE_ROWS = 256
 
 

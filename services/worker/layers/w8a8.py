@@ -13,8 +13,10 @@ Where the library is built with AVX512_VNNI, each weight is also packed once int
 tiles (`Int8TiledWeight`, csrc/gemm_int8_tiles.c): the same quantized rows and int32 sums as
 `_int_mm`, scaled back by the same row pass, so bit-identical, and faster at every row count
 measured (`MAX_INT8_TILE_ROWS`); with them W8A8 takes every row count, one row too
-(`quantize_model`). oneDNN's GEMM serves CPUs without AVX512_VNNI, and those with AMX-INT8, where
-it may win (unmeasured).
+(`quantize_model`). oneDNN's GEMM serves CPUs without AVX512_VNNI. With AMX-INT8, where oneDNN
+multiplies on the tile unit and may win, each weight shape's row limit on the tiles is measured at
+start-up instead (`Int8PathSelector.max_int8_tile_rows`, int8_linear.py); the products are the same
+either side of it.
 
 `_int_mm` is only exact where oneDNN multiplies int8 without 16-bit intermediates: without VNNI
 (AVX2's VPMADDUBSW saturates pairs of products) its sums came out wrong for full-range int8, so the
@@ -50,7 +52,7 @@ class W8A8Kernels:
 
     DTYPES = (torch.bfloat16, torch.float32)  # activations', which the output takes
 
-    def __init__(self, library: ctypes.CDLL, use_tiles: bool = True, max_tile_rows: int = MAX_INT8_TILE_ROWS):
+    def __init__(self, library: ctypes.CDLL, use_tiles: bool = True, measures_tile_rows: bool = False):
         self._quantize, self._dequantize = {}, {}
         for dtype, suffix in zip(self.DTYPES, ("bf16", "f32")):
             quantize = getattr(library, f"quantize_rows_int8_{suffix}")
@@ -58,19 +60,21 @@ class W8A8Kernels:
             dequantize = getattr(library, f"dequantize_int32_{suffix}")
             dequantize.argtypes, dequantize.restype = [_P] * 5 + [_I64, _I64], ctypes.c_int
             self._quantize[dtype], self._dequantize[dtype] = quantize, dequantize
-        self.has_tiles = use_tiles and max_tile_rows > 0 and bool(library.int8_tiles_available())  # AVX512_VNNI
-        self.max_tile_rows = max_tile_rows
+        self.has_tiles = use_tiles and bool(library.int8_tiles_available())  # AVX512_VNNI
+        # AMX-INT8: each weight shape's rows on the tiles are timed against oneDNN's int8 GEMM.
+        self.measures_tile_rows = measures_tile_rows
         self._tiles, self._pack, self._nbytes = library.int8_tiles_bf16, library.int8_tiles_pack, library.int8_tiles_nbytes
         self._tiles.argtypes, self._tiles.restype = [_P] * 5 + [_I64] * 3, ctypes.c_int
         self._pack.argtypes, self._pack.restype = [_P, _P, _I64, _I64], None
         self._nbytes.argtypes, self._nbytes.restype = [_I64, _I64], _I64
 
-    def pack_tiles(self, qweight: torch.Tensor) -> Int8TiledWeight:
-        """qweight int8 [N, K] contiguous, repacked into column tiles (after `has_tiles`)."""
+    def pack_tiles(self, qweight: torch.Tensor, max_rows: int = MAX_INT8_TILE_ROWS) -> Int8TiledWeight:
+        """qweight int8 [N, K] contiguous, repacked into column tiles (after `has_tiles`), taken up to
+        `max_rows` rows."""
         n_size, k_size = qweight.shape
         data = torch.empty(self._nbytes(n_size, k_size), dtype=torch.int8)
         self._pack(qweight.data_ptr(), data.data_ptr(), n_size, k_size)
-        return Int8TiledWeight(data, n_size, k_size, self.max_tile_rows)
+        return Int8TiledWeight(data, n_size, k_size, max_rows)
 
     def tiles(self, x: torch.Tensor, weight: Int8TiledWeight, w_scales: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:

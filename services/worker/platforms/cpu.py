@@ -40,9 +40,10 @@ from services.worker.layers.gemv import Gemv, use_gemv
 from services.worker.layers.int8_gemv import Int8Gemv
 from services.worker.layers.int8_linear import Int8PathSelector, quantize_model
 from services.worker.layers.layer_ops import LayerOps, TorchLayerOps
-from services.worker.layers.linear import (MAX_GEMV_ROWS, MAX_TILE_ROWS, add_float32_copies, can_prepack,
+from services.worker.layers.linear import (MAX_GEMV_ROWS, LinearBase, add_float32_copies, can_prepack,
                                           prepack_cpu_weights)
-from services.worker.layers.w8a8 import MAX_INT8_TILE_ROWS, W8A8Kernels, int_mm_is_exact
+from services.worker.layers.tile_rows import TileRowSelector
+from services.worker.layers.w8a8 import W8A8Kernels, int_mm_is_exact
 from services.worker.models.decode_stack import DecodeLayersKernel
 from services.worker.platforms.cpu_malloc import keep_step_memory
 from services.worker.platforms.interface import AttentionHeads, Platform
@@ -51,18 +52,7 @@ from services.worker.sampler import TorchSampler
 logger = logging.getLogger(__name__)
 
 INT8_THRESHOLDS_FILE = "int8_kernel_thresholds.json"  # in the cache dir: measured once per machine
-
-
-def _max_tile_rows() -> int:
-    """Rows the column tiles take: all of a decode batch's, unless AMX gives oneDNN the edge above the
-    rows that only stream the weight (linear.py, MAX_TILE_ROWS)."""
-    return MAX_GEMV_ROWS if cpu_has_amx_bf16() else MAX_TILE_ROWS
-
-
-def _max_int8_tile_rows() -> int:
-    """Rows W8A8's int8 column tiles take: none where AMX-INT8 gives oneDNN's int8 GEMM the edge
-    (unmeasured here, as for the bfloat16 tiles), else MAX_INT8_TILE_ROWS."""
-    return 0 if cpu_has_amx_int8() else MAX_INT8_TILE_ROWS
+TILE_ROWS_FILE = "bf16_tile_rows.json"  # in the cache dir: measured once per machine, where the CPU has AMX
 
 
 def _cache_dir(config: WorkerConfig) -> Path:
@@ -77,7 +67,8 @@ class CpuPlatform(Platform):
                  native_bf16: bool | None = None, sampler: TorchSampler | None = None,
                  quantization: str = "none", gemv: Gemv | None = None,
                  int8_selector: Int8PathSelector | None = None, int8_gemv: Int8Gemv | None = None,
-                 w8a8: W8A8Kernels | None = None, decode_layers: DecodeLayersKernel | None = None):
+                 w8a8: W8A8Kernels | None = None, decode_layers: DecodeLayersKernel | None = None,
+                 tile_rows: TileRowSelector | None = None):
         """`float32_copy`: 16-bit weights also get a float32 packed copy for batches, unless the CPU
         multiplies bfloat16 natively. `kv_cache_bytes`: the KV cache budget (default: the flag's).
         `native_bf16`: None asks this CPU (`cpu_has_native_bf16`). `quantization`: none or int8,
@@ -85,7 +76,9 @@ class CpuPlatform(Platform):
         `gemv`: the compiled GEMV, which bfloat16 weights then keep their plain copy for.
         `int8_gemv`: the compiled GEMV for int8 weights (a few rows, bfloat16 or float32 x).
         `w8a8`: the passes around the int8 GEMM that `--quantization w8a8` needs.
-        `decode_layers`: the compiled decoder stack for few-row decode steps (models/decode_stack.py)."""
+        `decode_layers`: the compiled decoder stack for few-row decode steps (models/decode_stack.py).
+        `tile_rows`: each bfloat16 weight shape's row limit on the column tiles (None: the GEMV's
+        `max_tile_rows` for all)."""
         if quantization == "w8a8" and w8a8 is None:
             raise ValueError("--quantization w8a8 needs the compiled CPU kernels, which did not build or load "
                              "here (see the log above); use --quantization int8")
@@ -103,6 +96,7 @@ class CpuPlatform(Platform):
         self.int8_gemv = int8_gemv
         self.w8a8 = w8a8
         self.decode_layers = decode_layers
+        self.tile_rows = tile_rows
 
     @classmethod
     def from_config(cls, config: WorkerConfig, dtype: torch.dtype, heads: AttentionHeads) -> CpuPlatform:
@@ -124,10 +118,12 @@ class CpuPlatform(Platform):
             if not int_mm_is_exact():
                 raise ValueError("--quantization w8a8: torch._int_mm does not multiply int8 exactly on this CPU "
                                  "(it needs AVX512_VNNI, AVX_VNNI or AMX-INT8); use --quantization int8")
-            w8a8 = W8A8Kernels(kernels, config.cpu_gemm_tiles, _max_int8_tile_rows())
+            w8a8 = W8A8Kernels(kernels, config.cpu_gemm_tiles, measures_tile_rows=cpu_has_amx_int8())
         return cls(dtype, backend, layer_ops, kv_cache_bytes=config.kv_cache_bytes,
                    float32_copy=config.cpu_float32_copy, sampler=sampler, quantization=config.quantization,
-                   gemv=Gemv(kernels, config.cpu_gemm_tiles, _max_tile_rows()) if gemv_on else None,
+                   gemv=Gemv(kernels, config.cpu_gemm_tiles) if gemv_on else None,
+                   tile_rows=TileRowSelector(is_measured=cpu_has_amx_bf16(),
+                                             cache_path=_cache_dir(config) / TILE_ROWS_FILE),
                    int8_gemv=Int8Gemv(kernels) if gemv_on else None,
                    int8_selector=Int8PathSelector(cache_path=_cache_dir(config) / INT8_THRESHOLDS_FILE), w8a8=w8a8,
                    decode_layers=DecodeLayersKernel(kernels) if gemv_on and config.cpu_fused_decode else None)
@@ -138,7 +134,7 @@ class CpuPlatform(Platform):
                                   self.w8a8)
         num_packed = num_copied = num_gemv = 0
         if self.gemv is not None and self.dtype == torch.bfloat16:  # before packing: it keeps plain weights
-            num_gemv = use_gemv(model, self.gemv)
+            num_gemv = use_gemv(model, self.gemv, self.tile_rows)
         if can_prepack(self.device, self.dtype, native_bf16=self.native_bf16):
             num_packed = prepack_cpu_weights(model)
         is_16bit = self.dtype in (torch.bfloat16, torch.float16)
@@ -146,7 +142,10 @@ class CpuPlatform(Platform):
             num_copied = add_float32_copies(model)
         summary = f"{num_packed} matmul weights prepacked, {num_copied} with a float32 copy"
         if num_gemv and self.gemv.has_tiles:
-            return summary + f", {num_gemv} in column tiles up to {self.gemv.max_tile_rows} rows"
+            rows = sorted({m.gemv_tiles.max_rows for m in model.modules()
+                           if isinstance(m, LinearBase) and m.gemv_tiles is not None})
+            limit = f"{rows[0]}" if len(rows) == 1 else f"{rows[0]}-{rows[-1]} (by shape)"
+            return summary + f", {num_gemv} in column tiles up to {limit} rows"
         return summary + (f", {num_gemv} on the GEMV up to {MAX_GEMV_ROWS} rows" if num_gemv else "")
 
     def kv_cache_bytes(self, model: nn.Module, layout: KVCacheLayout, config: RunnerConfig) -> int:
