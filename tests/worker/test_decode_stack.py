@@ -128,13 +128,31 @@ def test_steps_of_more_rows_than_the_gemv_takes_keep_the_layer_path(tiny_llama_d
     assert fused_tokens == layered_tokens
 
 
-def test_an_int8_kv_cache_keeps_the_layer_path(tiny_llama_dir, caplog):
-    caplog.set_level("INFO", logger="services.worker.model_loader")
-    runner = _runner(tiny_llama_dir, torch.bfloat16, "int8", fused=True, kv_cache_dtype="int8")
-    assert runner.model.model.decode_stack is None  # its cache has a writer and kernel of its own
-    assert "decode layers one by one (not on the compiled fused ops, paged-decode attention" in caplog.text
-    layered = _runner(tiny_llama_dir, torch.bfloat16, "int8", fused=False, kv_cache_dtype="int8")
-    assert _run(layered, [23, 9])[1] == _run(runner, [23, 9])[1]
+@pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+@pytest.mark.parametrize("dtype,quantization,tiles",
+                         [(torch.bfloat16, "none", True), (torch.bfloat16, "int8", True),
+                          (torch.float32, "int8", True)],
+                         ids=["bf16", "bf16-int8", "f32-int8"])
+def test_over_an_int8_kv_cache_the_stack_gives_the_layer_paths_hidden_states_bit_for_bit(
+        model_fixture, dtype, quantization, tiles, request):
+    """The int8 cache's rows written by its compiled writer and read by its decode kernel, inside the
+    stack as on the layer path: the same hidden states, and the same int8 cache bytes after the run."""
+    model_dir = request.getfixturevalue(model_fixture)
+    prompt_lens = [23, 9, 41, 16, 5]
+    layered_runner = _runner(model_dir, dtype, quantization, fused=False, kv_cache_dtype="int8", tiles=tiles)
+    layered, layered_tokens = _run(layered_runner, prompt_lens)
+    fused_runner = _runner(model_dir, dtype, quantization, fused=True, kv_cache_dtype="int8", tiles=tiles)
+    stack = fused_runner.model.model.decode_stack
+    assert isinstance(stack, DecodeStack) and stack.kv_int8
+    fused, fused_tokens = _run(fused_runner, prompt_lens)
+    assert fused.stack_rows and max(fused.stack_rows) <= stack.max_num_rows
+    assert fused_tokens == layered_tokens
+    assert len(fused.hidden) == len(layered.hidden)
+    for step, (a, b) in enumerate(zip(fused.hidden, layered.hidden)):
+        assert torch.equal(a, b), f"step {step}: largest difference {(a.float() - b.float()).abs().max()}"
+    pairs = zip(fused_runner.model.attention_layers(), layered_runner.model.attention_layers())
+    for fused_layer, layered_layer in pairs:
+        assert fused_layer.kv_cache.dtype == torch.int8 and torch.equal(fused_layer.kv_cache, layered_layer.kv_cache)
 
 
 def test_a_model_off_the_gemvs_gets_no_stack_and_the_log_says_why(tiny_llama_dir, caplog):

@@ -7,7 +7,8 @@
  * Llama-family layers only (pre-norm, fused q/k/v and gate/up, rotate-half RoPE, SiLU), with every
  * matmul on a GEMV: bfloat16 weights (gemv.c, or their column tiles: gemm_tiles.c) for bfloat16
  * activations, or int8 weights with float32 per-channel scales (gemv_int8.c) for float32 or
- * bfloat16 activations; the KV cache in the activations' dtype. The caller checks that a model
+ * bfloat16 activations; the KV cache in the activations' dtype, or int8 (attention/int8_kv_cache.py:
+ * rows written by kv_int8.c's writer, read by paged_decode_int8.c). The caller checks that a model
  * and a step qualify. */
 #include <stdint.h>
 #include <stdlib.h>
@@ -47,6 +48,16 @@ int paged_decode_bf16(const float *query, const uint16_t *key_cache, const uint1
                       const int64_t *block_table, int64_t block_table_stride, const int64_t *seq_lens, float *out,
                       int64_t num_reqs, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
                       int64_t max_seq_len, float *scratch, int num_threads);
+int paged_decode_int8(const float *query, const int8_t *key_cache, const int8_t *value_cache, int64_t block_bytes,
+                      const int64_t *block_table, int64_t block_table_stride, const int64_t *seq_lens, float *out,
+                      int64_t num_reqs, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
+                      int64_t max_seq_len, float *scratch, int num_threads);
+int write_kv_int8_f32(const float *key, int64_t key_stride, const float *value, int64_t value_stride,
+                      const int64_t *slots, int64_t num_tokens, int num_kv_heads, int head_dim, int block_size,
+                      int64_t block_bytes, int64_t num_blocks, int8_t *key_cache, int8_t *value_cache);
+int write_kv_int8_bf16(const uint16_t *key, int64_t key_stride, const uint16_t *value, int64_t value_stride,
+                       const int64_t *slots, int64_t num_tokens, int num_kv_heads, int head_dim, int block_size,
+                       int64_t block_bytes, int64_t num_blocks, int8_t *key_cache, int8_t *value_cache);
 
 enum { WEIGHTS_BF16 = 0, WEIGHTS_INT8 = 1, WEIGHTS_BF16_TILES = 2, WEIGHTS_INT8_TILES = 3 };
 enum { PROJ_QKV = 0, PROJ_O = 1, PROJ_GATE_UP = 2, PROJ_DOWN = 3, NUM_PROJ = 4 };
@@ -55,7 +66,8 @@ enum { PROJ_QKV = 0, PROJ_O = 1, PROJ_GATE_UP = 2, PROJ_DOWN = 3, NUM_PROJ = 4 }
  * projection: its weight (bfloat16 or int8 [out, in], or bfloat16 column tiles), int8 scales
  * (float32 [out], NULL for bf16) and bias (the activations' dtype, or NULL); with WEIGHTS_INT8_TILES
  * (W8A8) also its int8 column tiles, which take the steps of more than max_gemv_rows rows (0 where
- * quantize_model gives W8A8 every row count on them). */
+ * quantize_model gives W8A8 every row count on them). kv_block_bytes is 0 for a cache in the
+ * activations' dtype, else the bytes of one block of the int8 cache's halves (num_blocks each). */
 typedef struct {
   int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
   float eps, scale;
@@ -66,6 +78,7 @@ typedef struct {
   void *final_norm;
   void **tiles[NUM_PROJ];
   int64_t max_gemv_rows;
+  int64_t kv_block_bytes, num_blocks;
 } DecodeStack;
 
 /* y [m, n] = x [m, k] W^T (+ b) for projection p of layer l. Returns the GEMV's status. */
@@ -92,7 +105,8 @@ static int project_bf16(const DecodeStack *s, int p, int64_t l, const uint16_t *
 
 /* hidden [m, H]: the step's embeddings in, the final norm's output out; residual [m, H] scratch.
  * cos/sin [m, head_dim / 2]; slots [m]; block_table [m, *] (row stride block_table_stride), seq_lens
- * [m]. Returns 0; -1 where memory ran out, or the decode kernel's status (1-3). */
+ * [m]. Returns 0; -1 where memory ran out, the decode kernel's status (1-4), or 10 + the int8
+ * writer's (11: head_dim, 12: a slot past the cache). */
 #define DEFINE_DECODE_LAYERS(SUFFIX, T, LOAD, STORE)                                                         \
   int decode_layers_##SUFFIX(const DecodeStack *s, T *hidden, T *residual, const T *cos, const T *sin,        \
                              const int64_t *slots, const int64_t *block_table, int64_t block_table_stride,    \
@@ -115,13 +129,31 @@ static int project_bf16(const DecodeStack *s, int p, int64_t l, const uint16_t *
         add_rms_norm_##SUFFIX(hidden, residual, s->input_norm[l], m, h, s->eps);                              \
       }                                                                                                       \
       if ((status = project_##SUFFIX(s, PROJ_QKV, l, hidden, qkv, m, qkv_width, h))) break;                  \
-      rope_cache_##SUFFIX(qkv, cos, sin, slots, s->key_cache[l], s->value_cache[l], m, s->num_heads,          \
-                          s->num_kv_heads, hd);                                                               \
-      for (int64_t t = 0; t < m; t++) /* the decode kernel reads float32 queries, contiguous */              \
+      if (s->kv_block_bytes) { /* int8 cache: rotate, then its writer quantizes k and v into it */          \
+        rope_cache_##SUFFIX(qkv, cos, sin, NULL, NULL, NULL, m, s->num_heads, s->num_kv_heads, hd);           \
+        status = write_kv_int8_##SUFFIX(qkv + q_width, qkv_width, qkv + q_width + kv_width, qkv_width, slots, m, \
+                                        (int)s->num_kv_heads, (int)hd, (int)s->block_size, s->kv_block_bytes,  \
+                                        s->num_blocks, s->key_cache[l], s->value_cache[l]);                    \
+        if (status) {                                                                                         \
+          status += 10;                                                                                       \
+          break;                                                                                              \
+        }                                                                                                     \
+      } else {                                                                                                \
+        rope_cache_##SUFFIX(qkv, cos, sin, slots, s->key_cache[l], s->value_cache[l], m, s->num_heads,        \
+                            s->num_kv_heads, hd);                                                             \
+      }                                                                                                       \
+      for (int64_t t = 0; t < m; t++) /* the decode kernels read float32 queries, contiguous */              \
         for (int64_t i = 0; i < q_width; i++) q32[t * q_width + i] = LOAD(qkv[t * qkv_width + i]);            \
-      status = paged_decode_##SUFFIX(q32, s->key_cache[l], s->value_cache[l], block_table, block_table_stride, \
-                                     seq_lens, attn32, m, (int)s->num_heads, (int)s->num_kv_heads, (int)hd,   \
-                                     (int)s->block_size, s->scale, max_seq_len, scratch, num_threads);        \
+      if (s->kv_block_bytes)                                                                                  \
+        status = paged_decode_int8(q32, s->key_cache[l], s->value_cache[l], s->kv_block_bytes, block_table,   \
+                                   block_table_stride, seq_lens, attn32, m, (int)s->num_heads,                \
+                                   (int)s->num_kv_heads, (int)hd, (int)s->block_size, s->scale, max_seq_len,  \
+                                   scratch, num_threads);                                                     \
+      else                                                                                                    \
+        status = paged_decode_##SUFFIX(q32, s->key_cache[l], s->value_cache[l], block_table,                  \
+                                       block_table_stride, seq_lens, attn32, m, (int)s->num_heads,            \
+                                       (int)s->num_kv_heads, (int)hd, (int)s->block_size, s->scale,           \
+                                       max_seq_len, scratch, num_threads);                                    \
       if (status) break;                                                                                      \
       for (int64_t i = 0; i < m * q_width; i++) act[i] = STORE(attn32[i]);                                    \
       if ((status = project_##SUFFIX(s, PROJ_O, l, act, hidden, m, h, q_width))) break;                      \

@@ -8,10 +8,10 @@ so a step's hidden states are those of the layer-by-layer path bit for bit.
 
 `attach_decode_stack` gives one to a `LlamaModel` whose every layer qualifies: plain (unsharded)
 projections all on the bfloat16 GEMV or its column tiles (bfloat16 activations) or all on the int8
-GEMV, biases in the activations' dtype, the compiled fused ops and paged-decode attention, SiLU.
+GEMV, biases in the activations' dtype, the compiled fused ops and paged-decode attention (on a
+cache in the activations' dtype, or on the int8 cache with its compiled writer), SiLU.
 `LlamaModel.forward` then takes it for all-decode steps of up to the kernels' row limit (every
-layer's) whose KV cache is in the activations' dtype (an int8 cache has its own writer and kernel,
-and keeps the layer path).
+layer's).
 """
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.worker.attention.cpu_backend import CpuAttentionBackend, CpuDecodeMetadata, KernelDecode
+from services.worker.attention.cpu_int8_backend import Int8CacheCpuBackend, Int8DecodeMetadata, Int8KernelDecode
+from services.worker.attention.int8_kv_cache import int8_block_bytes
 from services.worker.attention.torch_backend import TorchAttentionMetadata
 from services.worker.layers.activation import SiluAndMul
 from services.worker.layers.fused_ops import CpuLayerOps
@@ -43,7 +45,8 @@ class _Plan(ctypes.Structure):
                 ("head_dim", _I64), ("intermediate", _I64), ("block_size", _I64), ("eps", _F32), ("scale", _F32),
                 ("weight_kind", _I32), ("input_norm", _PP), ("post_norm", _PP), ("weight", _PP * 4),
                 ("scales", _PP * 4), ("bias", _PP * 4), ("key_cache", _PP), ("value_cache", _PP),
-                ("final_norm", _P), ("tiles", _PP * 4), ("max_gemv_rows", _I64)]
+                ("final_norm", _P), ("tiles", _PP * 4), ("max_gemv_rows", _I64), ("kv_block_bytes", _I64),
+                ("num_blocks", _I64)]
 
 
 class DecodeLayersKernel:
@@ -72,8 +75,9 @@ class DecodeStack:
     def __init__(self, model: LlamaModel, kernel: DecodeLayersKernel, dtype: torch.dtype, weight_kind: int,
                  projections: list[list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
                                               torch.Tensor | None]]],
-                 max_num_rows: int, max_gemv_rows: int = 0):
+                 max_num_rows: int, max_gemv_rows: int = 0, kv_int8: bool = False):
         self.model, self.dtype, self.weight_kind = model, dtype, weight_kind
+        self.kv_int8 = kv_int8  # the int8 cache (its writer and kernel), else one in the activations' dtype
         self.max_num_rows = max_num_rows
         self.max_gemv_rows = max_gemv_rows  # WEIGHTS_INT8_TILES: the int8 GEMV's rows, the tiles' above
         self._function = kernel.function(dtype)
@@ -88,7 +92,8 @@ class DecodeStack:
         if len(self._caches) == len(attns) and all(a.kv_cache is c for a, c in zip(attns, self._caches)):
             return self._plan
         caches = [a.kv_cache for a in attns]
-        if any(c is None or c.dtype != self.dtype or not c.is_contiguous() for c in caches):
+        cache_dtype = torch.int8 if self.kv_int8 else self.dtype
+        if any(c is None or c.dtype != cache_dtype or not c.is_contiguous() for c in caches):
             self._caches, self._plan = [], None
             return None
         self._caches = caches
@@ -105,11 +110,17 @@ class DecodeStack:
             "value_cache": _pointers([c[1] for c in caches]),
         }
         per_proj = [[_pointers([p[i][part] for p in self._projections]) for i in range(4)] for part in range(4)]
+        if self.kv_int8:  # [2, num_blocks, block_bytes]: a block's rows, then their scales
+            block_bytes = caches[0].shape[2]
+            block_size = block_bytes // int8_block_bytes(1, attn.num_kv_heads, attn.head_dim)
+        else:  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+            block_bytes, block_size = 0, caches[0].shape[2]
         plan = _Plan(num_layers=len(layers), hidden=self.model.norm.weight.shape[0], num_heads=attn.num_heads,
                      num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-                     intermediate=mlp.down_proj.input_size, block_size=caches[0].shape[2],
+                     intermediate=mlp.down_proj.input_size, block_size=block_size,
                      eps=first.input_layernorm.eps, scale=attn.scale, weight_kind=self.weight_kind,
-                     final_norm=self.model.norm.weight.data_ptr(), max_gemv_rows=self.max_gemv_rows, **arrays)
+                     final_norm=self.model.norm.weight.data_ptr(), max_gemv_rows=self.max_gemv_rows,
+                     kv_block_bytes=block_bytes, num_blocks=caches[0].shape[1], **arrays)
         for name, arrays_of_part in zip(("weight", "scales", "bias", "tiles"), per_proj):
             field = getattr(plan, name)
             for i, array in enumerate(arrays_of_part):
@@ -119,7 +130,7 @@ class DecodeStack:
 
     def accepts(self, hidden_states: torch.Tensor, attn_metadata) -> bool:
         return (isinstance(attn_metadata, TorchAttentionMetadata) and attn_metadata.is_all_decode
-                and isinstance(attn_metadata.decode, CpuDecodeMetadata)
+                and isinstance(attn_metadata.decode, Int8DecodeMetadata if self.kv_int8 else CpuDecodeMetadata)
                 and 0 < hidden_states.shape[0] <= self.max_num_rows and hidden_states.dtype == self.dtype
                 and attn_metadata.slot_mapping.dtype == torch.int64
                 and attn_metadata.decode.seq_lens.dtype == torch.int64
@@ -138,7 +149,8 @@ class DecodeStack:
                                 decode.block_table.stride(0), decode.seq_lens.data_ptr(), decode.max_seq_len,
                                 hidden.shape[0], torch.get_num_threads())
         if status:
-            raise RuntimeError(f"decode layers: kernel status {status} ({'no memory' if status < 0 else 'bad heads'})")
+            what = "no memory" if status < 0 else "int8 cache writer" if status > 10 else "bad heads"
+            raise RuntimeError(f"decode layers: kernel status {status} ({what})")
         return hidden
 
 
@@ -148,10 +160,12 @@ def attach_decode_stack(model: LlamaModel, kernel: DecodeLayersKernel) -> str:
     if dtype not in _SUFFIXES:
         return f"activations in {dtype}"
     kinds, projections, max_rows, gemv_rows = set(), [], [], []
+    kv_int8 = isinstance(model.layers[0].self_attn.attn.backend, Int8CacheCpuBackend)
     for layer in model.layers:
         attn = layer.self_attn.attn
+        decode = Int8KernelDecode if kv_int8 else KernelDecode
         if not (isinstance(attn.ops, CpuLayerOps) and isinstance(attn.backend, CpuAttentionBackend)
-                and isinstance(attn.backend.decode, KernelDecode) and isinstance(layer.mlp.act_fn, SiluAndMul)):
+                and isinstance(attn.backend.decode, decode) and isinstance(layer.mlp.act_fn, SiluAndMul)):
             return "not on the compiled fused ops, paged-decode attention and SiLU"
         row = []
         for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
@@ -170,7 +184,7 @@ def attach_decode_stack(model: LlamaModel, kernel: DecodeLayersKernel) -> str:
         return "int8 GEMV row limits differ between W8A8 weights"
     # Every layer's matmuls must be on their GEMV at the stack's row counts.
     model.decode_stack = DecodeStack(model, kernel, dtype, kinds.pop(), projections, min(max_rows),
-                                     gemv_rows[0] if gemv_rows else 0)
+                                     gemv_rows[0] if gemv_rows else 0, kv_int8=kv_int8)
     return ""
 
 
