@@ -89,7 +89,11 @@ def run_openvino(server: Server, requests, tokenizer, plan: list[dict], repeats:
             f"{summary['num_planned']} complete")
     out["single_stream"] = raw.get("single_stream")
     out["note"] += f", {raw['kv_cache_precision']} KV cache (the CPU plugin's default)"
+    group_size = raw.get("dynamic_quantization_group_size")
+    if server.info["variant"] == "int8" and group_size:  # the plugin quantizes activations only for int8 weights
+        out["note"] += f", activations quantized to int8 in groups of {group_size} (the plugin's default)"
     out["info"] |= {k: raw.get(k) for k in ("openvino", "openvino_genai", "settings", "kv_cache_precision",
+                                             "dynamic_quantization_group_size",
                                              "export_s", "compile_s", "max_num_seqs_probe")} | {"log": str(log_path)}
     return out
 

@@ -289,8 +289,12 @@ def main(argv: list[str] | None = None) -> None:
     result = {"variant": asdict(variant), "settings": asdict(settings), "ir_dir": str(ir_dir),
               "export_s": export_s, "compile_s": compile_s, "openvino": openvino.__version__,
               "openvino_genai": openvino_genai.__version__,
-              # not set here: the CPU plugin's default (u8 on x86), which the pipeline's KV cache takes
+              # not set here: the CPU plugin's defaults, which the pipeline takes: its KV cache precision
+              # (u8 on x86) and the group size in which it quantizes activations to int8 on the fly
+              # for matmuls on compressed (int8) weights (32; 0 would mean off)
               "kv_cache_precision": openvino.Core().get_property("CPU", "KV_CACHE_PRECISION").get_type_name(),
+              "dynamic_quantization_group_size": int(openvino.Core().get_property(
+                  "CPU", "DYNAMIC_QUANTIZATION_GROUP_SIZE")),
               "num_threads": os.cpu_count(), "levels": []}
     for c, offset, count in parse_levels(args.levels) if args.levels else []:
         load_before = os.getloadavg()[0]
