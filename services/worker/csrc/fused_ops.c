@@ -73,6 +73,64 @@
     }                                                                                            \
   }
 
+/* bfloat16 rows on 16 lanes (the generic loops above convert a value at a time): the same
+ * roundings in the same order, the sum of squares in 16 partial sums. */
+static inline float add_residual_bf16(const uint16_t *x, uint16_t *residual, int64_t hidden) {
+  v16f sum16 = {0};
+  int64_t i = 0;
+  for (; i + 16 <= hidden; i += 16) {
+    const v16f r = round_bf16_ftz16(load_bf1616(x + i) + load_bf1616(residual + i));
+    store_bf16_ftz16(residual + i, r);
+    sum16 += r * r;
+  }
+  float sum_sq = hsum16(sum16);
+  for (; i < hidden; i++) {
+    const float r = ROUND_BF16(LOAD_BF16(x[i]) + LOAD_BF16(residual[i]));
+    residual[i] = STORE_BF16(r);
+    sum_sq += r * r;
+  }
+  return sum_sq;
+}
+
+static inline float sum_squares_bf16(const uint16_t *x, int64_t hidden) {
+  v16f sum16 = {0};
+  int64_t i = 0;
+  for (; i + 16 <= hidden; i += 16) {
+    const v16f v = load_bf1616(x + i);
+    sum16 += v * v;
+  }
+  float sum_sq = hsum16(sum16);
+  for (; i < hidden; i++) sum_sq += LOAD_BF16(x[i]) * LOAD_BF16(x[i]);
+  return sum_sq;
+}
+
+static inline void scale_row_bf16(const uint16_t *x, uint16_t *out, const uint16_t *weight, int64_t hidden,
+                                  float inv_rms) {
+  int64_t i = 0;
+  for (; i + 16 <= hidden; i += 16)
+    store_bf16_ftz16(out + i, load_bf1616(weight + i) * round_bf16_ftz16(load_bf1616(x + i) * inv_rms));
+  for (; i < hidden; i++) out[i] = STORE_BF16(LOAD_BF16(weight[i]) * ROUND_BF16(LOAD_BF16(x[i]) * inv_rms));
+}
+
+void add_rms_norm_bf16(uint16_t *x, uint16_t *residual, const uint16_t *weight, int64_t num_tokens, int64_t hidden,
+                       float eps) {
+#pragma omp parallel for schedule(static) if (num_tokens * hidden >= MIN_PARALLEL_ELEMENTS)
+  for (int64_t t = 0; t < num_tokens; t++) {
+    uint16_t *xr = x + t * hidden, *rr = residual + t * hidden;
+    const float sum_sq = add_residual_bf16(xr, rr, hidden);
+    scale_row_bf16(rr, xr, weight, hidden, 1.f / sqrtf(sum_sq / (float)hidden + eps));
+  }
+}
+
+void rms_norm_bf16(const uint16_t *x, uint16_t *out, const uint16_t *weight, int64_t num_tokens, int64_t hidden,
+                   float eps) {
+#pragma omp parallel for schedule(static) if (num_tokens * hidden >= MIN_PARALLEL_ELEMENTS)
+  for (int64_t t = 0; t < num_tokens; t++) {
+    const float sum_sq = sum_squares_bf16(x + t * hidden, hidden);
+    scale_row_bf16(x + t * hidden, out + t * hidden, weight, hidden, 1.f / sqrtf(sum_sq / (float)hidden + eps));
+  }
+}
+
 /* silu(g) = g * sigmoid(g), with e^-|g| from exp_nonpositive so no exponent can overflow;
  * rounded to the storage type before the product, as PyTorch does. 8 and 16 lanes: the 16-lane
  * loop takes the rows (half the instructions on AVX-512), the 8-lane one a row's tail. */
@@ -98,32 +156,9 @@
 DEFINE_SILU_VECTOR(silu8, v8f, v8i, exp_nonpositive)
 DEFINE_SILU_VECTOR(silu16, v16f, v16i, exp_nonpositive16)
 
-/* bfloat16 rounding of 16 lanes for the SiLU rows: one VCVTNEPS2BF16 where the CPU has it (nearest
- * even, as PyTorch rounds; it flushes denormal floats, which a SiLU product does not reach short of
- * inputs below -87, where exp_nonpositive already clamps), else the integer rounding of vec.h. */
-#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512VL__)
-#include <immintrin.h>
-static inline v16f silu_round_bf16(v16f v) {
-  const __m512i bits = _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh((__m512)v)), 16);
-  return (v16f)_mm512_castsi512_ps(bits);
-}
-static inline void silu_store_bf16(uint16_t *p, v16f v) {
-  _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh((__m512)v));
-}
-#else
-#define silu_round_bf16 round_bf1616
-#define silu_store_bf16 store_bf1616
-#endif
-
 /* 1 where this build rounds bfloat16 SiLU rows with VCVTNEPS2BF16 (1.3-1.5x PyTorch's op on a Zen 4),
  * 0 where it takes the integer rounding (level with PyTorch there). */
-int silu_and_mul_bf16_native(void) {
-#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512VL__)
-  return 1;
-#else
-  return 0;
-#endif
-}
+int silu_and_mul_bf16_native(void) { return BF16_ROUND_NATIVE; }
 
 #define DEFINE_SILU(SUFFIX, T, LOAD, STORE, ROUND, LOAD8, STORE8, ROUND8, LOAD16, STORE16, ROUND16) \
   void silu_and_mul_##SUFFIX(const T *x, T *out, int64_t num_tokens, int64_t n) {                \
@@ -175,10 +210,9 @@ int silu_and_mul_bf16_native(void) {
   }
 
 DEFINE_NORM(f32, float, LOAD_F32, STORE_F32, ROUND_F32)
-DEFINE_NORM(bf16, uint16_t, LOAD_BF16, STORE_BF16, ROUND_BF16)
 DEFINE_SILU(f32, float, LOAD_F32, STORE_F32, ROUND_F32, load_f32, store_f32, identity, load_f3216, store_f3216,
             identity16)
 DEFINE_SILU(bf16, uint16_t, LOAD_BF16, STORE_BF16, ROUND_BF16, load_bf16, store_bf16, round_bf16, load_bf1616,
-            silu_store_bf16, silu_round_bf16)
+            store_bf16_ftz16, round_bf16_ftz16)
 DEFINE_ROPE_CACHE(f32, float, LOAD_F32, STORE_F32, ROUND_F32)
 DEFINE_ROPE_CACHE(bf16, uint16_t, LOAD_BF16, STORE_BF16, ROUND_BF16)

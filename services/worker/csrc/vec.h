@@ -112,6 +112,31 @@ static inline uint16_t f32_to_bf16(float f) {
 DEFINE_BF16_VECTORS(, v8f, v8i, v8u, v8h)
 DEFINE_BF16_VECTORS(16, v16f, v16i, v16u, v16h)
 
+/* bfloat16 rounding of 16 lanes for the element-wise kernels: one VCVTNEPS2BF16 where the build has
+ * AVX512_BF16 (nearest even, as PyTorch rounds, but denormal floats flush to zero: an activation
+ * does not reach them in practice), else the exact integer rounding above. */
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define BF16_ROUND_NATIVE 1
+static inline v16f round_bf16_ftz16(v16f v) {
+  const __m512i bits = _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh((__m512)v)), 16);
+  return (v16f)_mm512_castsi512_ps(bits);
+}
+static inline void store_bf16_ftz16(uint16_t *p, v16f v) {
+  _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh((__m512)v));
+}
+#else
+#define BF16_ROUND_NATIVE 0
+#define round_bf16_ftz16 round_bf1616
+#define store_bf16_ftz16 store_bf1616
+#endif
+
+static inline float hsum16(v16f v) {
+  float s = 0.f;
+  for (int i = 0; i < 16; i++) s += v[i];
+  return s;
+}
+
 static inline v16f load_f3216(const float *p) {
   v16f v;
   memcpy(&v, p, sizeof v);
