@@ -8,7 +8,9 @@
  *   writes k and v into the paged KV cache at each token's slot.
  * Rows are [num_tokens, hidden] and contiguous; float32 or bfloat16 (raw uint16) storage, float32
  * arithmetic, and bfloat16 results rounded to nearest even where PyTorch rounds, so the bfloat16
- * results equal PyTorch's op for op. Rows are split over OpenMP threads when there are enough.
+ * results equal PyTorch's op for op (where the build has AVX512_BF16, bfloat16 norm and SiLU rows
+ * round with VCVTNEPS2BF16, which also flushes denormal floats to zero). Rows are split over
+ * OpenMP threads when there are enough.
  */
 #include <math.h>
 #include <stdint.h>
