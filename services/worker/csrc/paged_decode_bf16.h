@@ -7,26 +7,6 @@
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 
-/* Lane j of the result is the sum of d[j]'s 16 lanes: a tree of in-lane unpacks, then across the
- * 128-bit lanes (24 instructions for 8 dot products, where halving each to 8 lanes and then
- * sum_lanes8 took 37). */
-static inline __attribute__((always_inline)) v8f sum_lanes16x8(const __m512 d[CHUNK]) {
-  __m512 a[4];
-  for (int i = 0; i < 4; i++) /* per 128-bit lane: d[2i] 0+2, d[2i+1] 0+2, d[2i] 1+3, d[2i+1] 1+3 */
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(d[2 * i], d[2 * i + 1]), _mm512_unpackhi_ps(d[2 * i], d[2 * i + 1]));
-  /* per 128-bit lane: the lane's partial sums of d[0..3] (b0) and d[4..7] (b1) */
-  const __m512 b0 = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a[0]), _mm512_castps_pd(a[1]))),
-                                  _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a[0]), _mm512_castps_pd(a[1]))));
-  const __m512 b1 = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a[2]), _mm512_castps_pd(a[3]))),
-                                  _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a[2]), _mm512_castps_pd(a[3]))));
-  /* c: b0 lanes 0+1, b0 lanes 2+3, b1 lanes 0+1, b1 lanes 2+3 */
-  const __m512 c = _mm512_add_ps(_mm512_shuffle_f32x4(b0, b1, _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm512_shuffle_f32x4(b0, b1, _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 e = _mm512_add_ps(_mm512_shuffle_f32x4(c, c, _MM_SHUFFLE(3, 1, 2, 0)),
-                                 _mm512_shuffle_f32x4(c, c, _MM_SHUFFLE(2, 0, 3, 1)));
-  return (v8f)_mm512_castps512_ps256(e);
-}
-
 /* The key pass for a bfloat16 cache where the CPU has VDPBF16PS: the query heads rounded to
  * bfloat16 pairs once (exact for a bfloat16 model's queries), multiplied with the cached keys as
  * they lie, 32 products a call summed in float32, so the keys are never widened. */

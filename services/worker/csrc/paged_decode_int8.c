@@ -134,14 +134,13 @@ static inline __attribute__((always_inline)) int key_scores_impl(const float *q,
         int8_line_to_bf16(&t, _mm512_loadu_si512(rows[j] + 64 * c), &k[j][2 * c], &k[j][2 * c + 1]);
     const v8f row_scale = load_f32(row_scales) * scale;
     for (int g = 0; g < group; g++) {
-      v8f d[CHUNK];
+      __m512 d[CHUNK];
       for (int j = 0; j < CHUNK; j++) {
         __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[g][0], k[j][0]);
         for (int c = 1; c < num_halves; c++) dot = _mm512_dpbf16_ps(dot, qb[g][c], k[j][c]);
-        const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(dot), 1));
-        d[j] = (v8f)_mm256_add_ps(_mm512_castps512_ps256(dot), high);
+        d[j] = dot;
       }
-      v8f s = sum_lanes8(d) * row_scale;
+      v8f s = sum_lanes16x8(d) * row_scale;
       for (int j = (int)n; j < CHUNK; j++) s[j] = -INFINITY;
       store_f32(scores + g * padded + t0, s);
       max8[g] = vmax(max8[g], s);
