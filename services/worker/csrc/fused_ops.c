@@ -170,9 +170,9 @@ int silu_and_mul_bf16_native(void) { return BF16_ROUND_NATIVE; }
       T *o = out + t * n;                                                                        \
       int64_t i = 0;                                                                             \
       for (; i + 16 <= n; i += 16)                                                               \
-        STORE16(o + i, ROUND16(silu16(LOAD16(gate + i))) * LOAD16(up + i)); /* the store rounds */             \
+        STORE16(o + i, ROUND16(silu16(LOAD16(gate + i))) * LOAD16(up + i)); /* the store rounds */ \
       for (; i + 8 <= n; i += 8)                                                                 \
-        STORE8(o + i, ROUND8(silu8(LOAD8(gate + i))) * LOAD8(up + i));                   \
+        STORE8(o + i, ROUND8(silu8(LOAD8(gate + i))) * LOAD8(up + i));                             \
       for (; i < n; i++) {                                                                       \
         const float g = LOAD(gate[i]);                                                           \
         o[i] = STORE(ROUND(g / (1.f + expf(-g))) * LOAD(up[i]));                                 \
