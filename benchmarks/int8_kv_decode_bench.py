@@ -28,10 +28,10 @@ import torch
 
 from services.worker.attention.cpu_decode import PagedDecodeKernel
 from services.worker.attention.cpu_decode_int8 import PagedDecodeInt8Kernel
-from services.worker.attention.int8_kv_cache import int8_block_bytes, quantize_int8_rows
+from services.worker.attention.int8_kv_cache import int8_block_bytes, quantize_int8_rows, split_int8_cache
 from services.worker.cpu_kernels import load_cpu_kernels
 
-MIN_CYCLE_BYTES = 256 << 20  # several times a last-level cache
+MIN_CYCLE_BYTES = int(os.environ.get("CYC", 256 << 20))  # several times a last-level cache
 REPEATS = 7
 
 
@@ -40,10 +40,11 @@ def _caches(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, 
     [2, num_blocks, block_size, H_kv, D]."""
     x = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
     q, scales = quantize_int8_rows(x)
-    data_bytes = block_size * num_kv_heads * head_dim
     int8_cache = torch.empty(2, num_blocks, int8_block_bytes(block_size, num_kv_heads, head_dim), dtype=torch.int8)
-    int8_cache[:, :, :data_bytes] = q.view(2, num_blocks, data_bytes)
-    int8_cache[:, :, data_bytes:] = scales.view(2, num_blocks, -1).view(torch.int8)
+    for half in range(2):
+        data, half_scales = split_int8_cache(int8_cache[half], half, block_size, num_kv_heads, head_dim)
+        data.copy_(q[half].unflatten(-1, (head_dim // 4, 4)))
+        half_scales.copy_(scales[half])
     bf16_cache = (q.float() * scales[..., None]).to(torch.bfloat16)
     return int8_cache, bf16_cache
 

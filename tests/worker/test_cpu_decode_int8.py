@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from services.worker.attention.cpu_decode_int8 import PagedDecodeInt8Kernel
-from services.worker.attention.int8_kv_cache import quantize_int8_rows
+from services.worker.attention.int8_kv_cache import quantize_int8_rows, split_int8_cache
 from tests.oracles import dense_attention
 from tests.worker.kernel_builds import MARCHES, library_for
 
@@ -37,17 +37,6 @@ def _kernel(march: str, kernel_cache) -> PagedDecodeInt8Kernel:
 @pytest.fixture(params=MARCHES)
 def kernel(request, kernel_cache) -> PagedDecodeInt8Kernel:
     return _kernel(request.param, kernel_cache)
-
-
-def _layout_views(kv_cache: torch.Tensor, block_size: int, num_kv_heads: int, head_dim: int):
-    """data [2, num_blocks, bs, H_kv, D] int8 and scales [2, num_blocks, bs, H_kv] float32, as
-    views of the cache: each block's data, then its scales."""
-    _, num_blocks, block_bytes = kv_cache.shape
-    data_bytes = block_size * num_kv_heads * head_dim
-    assert block_bytes == data_bytes + 4 * block_size * num_kv_heads
-    data = kv_cache[:, :, :data_bytes].view(2, num_blocks, block_size, num_kv_heads, head_dim)
-    scales = kv_cache[:, :, data_bytes:].view(torch.float32).view(2, num_blocks, block_size, num_kv_heads)
-    return data, scales
 
 
 def _random_rows(half: int, num_tokens: int, num_kv_heads: int, head_dim: int, gen: torch.Generator) -> torch.Tensor:
@@ -81,9 +70,10 @@ def _make_decode(num_heads, num_kv_heads, head_dim, block_size, seq_lens, query_
     tables = [[free.pop() for _ in range(k)] for k in needed]
     block_bytes = block_size * num_kv_heads * (head_dim + 4)
     kv_cache = torch.randint(-127, 128, (2, num_blocks, block_bytes), generator=gen, dtype=torch.int8)
-    data, scales = _layout_views(kv_cache, block_size, num_kv_heads, head_dim)
-    scales.copy_(torch.rand(scales.shape, generator=gen))  # unowned slots: random rows, finite scales
-    data[:, 0], scales[:, 0] = 0, 0  # the null block
+    views = [split_int8_cache(kv_cache[half], half, block_size, num_kv_heads, head_dim) for half in range(2)]
+    for data, scales in views:
+        scales.copy_(torch.rand(scales.shape, generator=gen))  # unowned slots: random rows, finite scales
+        data[0], scales[0] = 0, 0  # the null block
     query = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(query_dtype)
     scale = head_dim**-0.5
     expected = []
@@ -91,9 +81,10 @@ def _make_decode(num_heads, num_kv_heads, head_dim, block_size, seq_lens, query_
         history = []
         for half in range(2):
             q, s = quantize_int8_rows(rows(half, n, num_kv_heads, head_dim, gen))
+            data, scales = views[half]
             for pos in range(n):
-                data[half, blocks[pos // block_size], pos % block_size] = q[pos]
-                scales[half, blocks[pos // block_size], pos % block_size] = s[pos]
+                data[blocks[pos // block_size], pos % block_size] = q[pos].unflatten(-1, (head_dim // 4, 4))
+                scales[blocks[pos // block_size], pos % block_size] = s[pos]
             history.append(q.double() * s.double()[..., None])
         expected.append(dense_attention(query[i:i + 1], history[0], history[1], n - 1, scale))
     width = max(needed) + 2  # padded with the null block, as the runner does

@@ -63,18 +63,28 @@ def test_writer_puts_the_quantizers_bits_at_each_slot_of_the_layout(library, dty
     cache = _empty_cache(num_blocks, block_size, num_kv_heads, head_dim)
     Int8KVWriter(library)(k, v, cache, slots, block_size)
     for half, x in ((0, k), (1, v)):
-        data, scales = split_int8_cache(cache[half], block_size, num_kv_heads, head_dim)
+        data, scales = split_int8_cache(cache[half], half, block_size, num_kv_heads, head_dim)
         q, scale = quantize_int8_rows(x)
         written = [t for t in range(num_tokens) if t != 5]
         blocks, offsets = slots[written] // block_size, slots[written] % block_size
-        assert torch.equal(data[blocks, offsets], q[written])
+        assert torch.equal(data[blocks, offsets].flatten(-2), q[written])
         assert torch.equal(scales[blocks, offsets], scale[written])
         untouched = torch.ones(num_blocks, block_size, dtype=torch.bool)
         untouched[blocks, offsets] = False
         assert int(data[untouched].abs().sum()) == 0 and float(scales[untouched].abs().sum()) == 0.0
-        dense = dequantize_blocks(cache[half], blocks.unique(), block_size, num_kv_heads, head_dim, torch.float32)
+        dense = dequantize_blocks(cache[half], half, blocks.unique(), block_size, num_kv_heads, head_dim, torch.float32)
         assert dense.shape == (blocks.unique().numel(), block_size, num_kv_heads, head_dim)
-        assert torch.equal(dense, data[blocks.unique()].float() * scales[blocks.unique()][..., None])
+        assert torch.equal(dense, data[blocks.unique()].float().flatten(-2) * scales[blocks.unique()][..., None])
+    # The documented byte order, spelled out for one element of each half: token 0's row for KV
+    # head 2, dimension 37 (four 9, second of the four), and its scales.
+    block, offset, h, d = int(slots[0]) // block_size, int(slots[0]) % block_size, 2, 37
+    (q_k, s_k), (q_v, s_v) = quantize_int8_rows(k), quantize_int8_rows(v)
+    key_byte = h * head_dim * block_size + (d // 4) * 4 * block_size + 4 * offset + d % 4
+    assert int(cache[0, block, key_byte]) == int(q_k[0, h, d])
+    assert int(cache[1, block, (offset * num_kv_heads + h) * head_dim + d]) == int(q_v[0, h, d])
+    scale_byte = block_size * num_kv_heads * head_dim + 4 * (h * block_size + offset)
+    for half, s in ((0, s_k), (1, s_v)):
+        assert cache[half, block, scale_byte:scale_byte + 4].view(torch.float32).item() == s[0, h].item()
 
 
 def test_writer_refuses_a_slot_past_the_cache_before_writing_anything(library):

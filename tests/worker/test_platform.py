@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from services.worker import cpu_kernels
 from services.worker.attention.backend import CommonAttentionMetadata
 from services.worker.attention.cpu_backend import CpuAttentionBackend
 from services.worker.attention.cupy_backend import CupyAttentionBackend
@@ -67,6 +68,13 @@ def test_cpu_platform_without_the_kernel_library_is_pytorch_throughout(kernel_ca
     platform = build_platform(WorkerConfig(cache_dir=kernel_cache), torch.device("cpu"), torch.float32, HEADS)
     assert type(platform.attention_backend) is TorchAttentionBackend and platform.attention_backend.name == "torch"
     assert type(platform.layer_ops) is TorchLayerOps
+
+
+def test_the_kernel_build_key_covers_every_source_file():
+    """The library's cache key hashes the files it lists: a file left off would let an edited kernel
+    run as its stale build."""
+    on_disk = {p.name for p in cpu_kernels.SOURCE_DIR.iterdir() if p.suffix in (".c", ".h")}
+    assert on_disk == set(cpu_kernels.SOURCES) | set(cpu_kernels.HEADERS)
 
 
 def _layer_and_head(dtype: torch.dtype) -> nn.ModuleList:

@@ -98,6 +98,6 @@ class Int8CacheCpuBackend(CpuAttentionBackend):
         plan: Int8PrefillPlan = metadata.prefill
         dense = replace(metadata, prefills=plan.prefills, prefill=plan.slices)
         geometry = (metadata.block_size, self.num_kv_heads, self.head_dim, query.dtype)
-        keys = dequantize_blocks(key_cache, plan.block_ids, *geometry)
-        values = dequantize_blocks(value_cache, plan.block_ids, *geometry)
+        keys = dequantize_blocks(key_cache, 0, plan.block_ids, *geometry)
+        values = dequantize_blocks(value_cache, 1, plan.block_ids, *geometry)
         super().attend_prefills(query, key, value, keys, values, dense, scale, output)

@@ -1,12 +1,14 @@
 """The int8 KV cache (`--kv-cache-dtype int8`): its layout, the compiled writer, the PyTorch
 reference quantizer and the dequantization of blocks for prefill attention.
 
-One int8 tensor per layer, [2, num_blocks, block_bytes] (0 keys, 1 values). A block holds its
-tokens' data, int8 [block_size, num_kv_heads, head_dim], then their scales, float32
-[block_size, num_kv_heads]: each (token, KV head) row is quantized on its own, symmetrically,
-scale = max|x| / 127, so an outlier in one head or token costs precision nowhere else. Keeping a
-block's data contiguous keeps each head's row at head_dim bytes (one 64-byte line at head_dim 64)
-for the decode kernel. Block 0, the null block, is zeros with scale 0.
+One int8 tensor per layer, [2, num_blocks, block_bytes] (0 keys, 1 values). Each (token, KV head)
+row is quantized on its own, symmetrically, scale = max|x| / 127, so an outlier in one head or
+token costs precision nowhere else. A value block holds its tokens' rows, int8 [block_size,
+num_kv_heads, head_dim]; a key block holds them per KV head with each row's dimensions in fours and
+the block's tokens side by side per four, int8 [num_kv_heads, head_dim / 4, block_size, 4], so the
+decode kernel's key pass sums 16 tokens' dot products in 16 lanes (csrc/decode_int8_keys.h). Both
+end with their scales, float32 [num_kv_heads, block_size]. Block 0, the null block, is zeros with
+scale 0.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 
 SCALE_BYTES = 4  # one float32 per (token, KV head)
 MAX_HEAD_DIM = 256  # csrc/kv_int8.c
+KEY_GROUP = 4  # a key row's dimensions lie in fours, the block's tokens side by side per four
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _WRITE_ARGTYPES = [_P, _I64, _P, _I64, _P, _I64, _I32, _I32, _I32, _I64, _I64, _P, _P]
 
@@ -41,26 +44,31 @@ def quantize_int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, amax / 127.0
 
 
-def split_int8_cache(cache: torch.Tensor, block_size: int, num_kv_heads: int,
+def split_int8_cache(cache: torch.Tensor, half: int, block_size: int, num_kv_heads: int,
                      head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One half of a layer's cache, [num_blocks, block_bytes] int8, as views: data
-    [num_blocks, block_size, H_kv, D] int8 and scales [num_blocks, block_size, H_kv] float32."""
+    """One half of a layer's cache (`half` 0 keys, 1 values), [num_blocks, block_bytes] int8, as
+    views: data [num_blocks, block_size, H_kv, D / 4, 4] int8 (a row's dimensions in fours: the
+    key layout is not a strided [..., D] view) and scales [num_blocks, block_size, H_kv] float32."""
     num_blocks, block_bytes = cache.shape
     data_bytes = block_size * num_kv_heads * head_dim
-    if block_bytes != int8_block_bytes(block_size, num_kv_heads, head_dim):
+    if block_bytes != int8_block_bytes(block_size, num_kv_heads, head_dim) or head_dim % KEY_GROUP:
         raise ValueError(f"an int8 cache block of {block_bytes} bytes does not hold {block_size} tokens of "
                          f"{num_kv_heads} KV heads of {head_dim}")
-    data = cache[:, :data_bytes].view(num_blocks, block_size, num_kv_heads, head_dim)
-    scales = cache[:, data_bytes:].view(torch.float32).view(num_blocks, block_size, num_kv_heads)
+    data = cache[:, :data_bytes]
+    if half == 0:
+        data = data.view(num_blocks, num_kv_heads, head_dim // KEY_GROUP, block_size, KEY_GROUP).permute(0, 3, 1, 2, 4)
+    else:
+        data = data.view(num_blocks, block_size, num_kv_heads, head_dim // KEY_GROUP, KEY_GROUP)
+    scales = cache[:, data_bytes:].view(torch.float32).view(num_blocks, num_kv_heads, block_size).transpose(1, 2)
     return data, scales
 
 
-def dequantize_blocks(cache: torch.Tensor, block_ids: torch.Tensor, block_size: int, num_kv_heads: int,
+def dequantize_blocks(cache: torch.Tensor, half: int, block_ids: torch.Tensor, block_size: int, num_kv_heads: int,
                       head_dim: int, dtype: torch.dtype) -> torch.Tensor:
     """Blocks `block_ids` of one half of a layer's cache as [len(block_ids), block_size, H_kv, D] in
     `dtype`, contiguous: a dense cache the prefill kernels read through remapped block tables."""
-    data, scales = split_int8_cache(cache.index_select(0, block_ids), block_size, num_kv_heads, head_dim)
-    return (data.to(torch.float32) * scales[..., None]).to(dtype)
+    data, scales = split_int8_cache(cache.index_select(0, block_ids), half, block_size, num_kv_heads, head_dim)
+    return (data.to(torch.float32).flatten(-2) * scales[..., None]).to(dtype).contiguous()
 
 
 class Int8KVWriter:
@@ -81,8 +89,8 @@ class Int8KVWriter:
         if key.dtype not in self._functions or value.dtype != key.dtype or value.shape != key.shape:
             raise ValueError(f"int8 KV writer takes float32 or bfloat16 key and value of one shape, not "
                              f"{key.dtype} {tuple(key.shape)} and {value.dtype} {tuple(value.shape)}")
-        if not 0 < head_dim <= MAX_HEAD_DIM:
-            raise ValueError(f"int8 KV cache: head_dim {head_dim} is not in 1..{MAX_HEAD_DIM}")
+        if not 0 < head_dim <= MAX_HEAD_DIM or head_dim % KEY_GROUP:
+            raise ValueError(f"int8 KV cache: head_dim {head_dim} is not a multiple of {KEY_GROUP} up to {MAX_HEAD_DIM}")
         for name, x in (("key", key), ("value", value)):
             if x.stride(2) != 1 or x.stride(1) != head_dim:
                 raise ValueError(f"{name} heads must be contiguous rows of {head_dim}, strides are {x.stride()}")
@@ -97,5 +105,5 @@ class Int8KVWriter:
         status = self._functions[key.dtype](
             key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), slot_mapping.data_ptr(), num_tokens,
             num_kv_heads, head_dim, block_size, block_bytes, kv_cache.shape[1], kv_cache.data_ptr(), value_cache_ptr)
-        if status:
+        if status:  # 1 (head_dim) is checked above
             raise ValueError(f"int8 KV writer: a slot is past the cache's {kv_cache.shape[1] * block_size} slots")

@@ -7,8 +7,11 @@
  * key and value [num_tokens, num_kv_heads, head_dim] rows `*_stride` elements apart (views of the
  * fused QKV projection), float32 or bfloat16 (raw uint16); slots [num_tokens] int64, -1 skips a
  * token, and a slot past the cache fails the call (status 2) before anything is written; the
- * caches are the key and value halves of the layer's int8 tensor, `block_bytes` per block:
- * [block_size, num_kv_heads, head_dim] int8, then [block_size, num_kv_heads] float32. */
+ * caches are the key and value halves of the layer's int8 tensor, `block_bytes` per block: keys
+ * int8 [num_kv_heads, head_dim / 4, block_size, 4] (each row's dimensions in fours, the block's
+ * tokens side by side per four, for the decode kernel's key pass), values int8 [block_size,
+ * num_kv_heads, head_dim]; then float32 scales [num_kv_heads, block_size] in both. head_dim is a
+ * multiple of 4 (status 1 otherwise). */
 #include <stdint.h>
 #include <string.h>
 
@@ -26,31 +29,33 @@
     memcpy(scale_bytes, &scale, sizeof scale);                  \
   } while (0)
 
-#define DEFINE_WRITE(SUFFIX, T)                                                                    \
-  int write_kv_int8_##SUFFIX(const T *key, int64_t key_stride, const T *value, int64_t value_stride, \
-                             const int64_t *slots, int64_t num_tokens, int num_kv_heads, int head_dim, \
-                             int block_size, int64_t block_bytes, int64_t num_blocks,              \
-                             int8_t *key_cache, int8_t *value_cache) {                              \
-    if (head_dim <= 0 || head_dim > MAX_HEAD_DIM) return 1;                                        \
-    for (int64_t t = 0; t < num_tokens; t++) /* checked before anything is written */              \
-      if (slots[t] >= num_blocks * block_size) return 2;                                           \
-    const int64_t data_bytes = (int64_t)block_size * num_kv_heads * head_dim;                       \
-    _Pragma("omp parallel for schedule(static) if(num_tokens >= MIN_PARALLEL_TOKENS)")             \
-    for (int64_t t = 0; t < num_tokens; t++) {                                                      \
-      const int64_t slot = slots[t];                                                                \
-      if (slot < 0) continue;                                                                       \
-      const int64_t block = slot / block_size, row = (slot % block_size) * num_kv_heads;            \
-      for (int h = 0; h < num_kv_heads; h++) {                                                      \
-        const int64_t offset = (row + h) * head_dim, scale_offset = data_bytes + (row + h) * 4;     \
-        const T *k = key + t * key_stride + (int64_t)h * head_dim;                                  \
-        int8_t *kb = key_cache + block * block_bytes;                                               \
-        QUANTIZE_INTO_BLOCK(SUFFIX, k, head_dim, kb + offset, kb + scale_offset);                   \
-        const T *v = value + t * value_stride + (int64_t)h * head_dim;                              \
-        int8_t *vb = value_cache + block * block_bytes;                                             \
-        QUANTIZE_INTO_BLOCK(SUFFIX, v, head_dim, vb + offset, vb + scale_offset);                   \
-      }                                                                                             \
-    }                                                                                               \
-    return 0;                                                                                       \
+#define DEFINE_WRITE(SUFFIX, T)                                                                      \
+  int write_kv_int8_##SUFFIX(const T *key, int64_t key_stride, const T *value, int64_t value_stride,   \
+                             const int64_t *slots, int64_t num_tokens, int num_kv_heads, int head_dim,   \
+                             int block_size, int64_t block_bytes, int64_t num_blocks,                \
+                             int8_t *key_cache, int8_t *value_cache) {                                \
+    if (head_dim <= 0 || head_dim > MAX_HEAD_DIM || head_dim % 4) return 1;                          \
+    for (int64_t t = 0; t < num_tokens; t++) /* checked before anything is written */                \
+      if (slots[t] >= num_blocks * block_size) return 2;                                             \
+    const int64_t data_bytes = (int64_t)block_size * num_kv_heads * head_dim;                         \
+    _Pragma("omp parallel for schedule(static) if(num_tokens >= MIN_PARALLEL_TOKENS)")               \
+    for (int64_t t = 0; t < num_tokens; t++) {                                                        \
+      const int64_t slot = slots[t];                                                                  \
+      if (slot < 0) continue;                                                                         \
+      const int64_t block = slot / block_size, offset = slot % block_size;                            \
+      int8_t *kb = key_cache + block * block_bytes, *vb = value_cache + block * block_bytes;          \
+      for (int h = 0; h < num_kv_heads; h++) {                                                        \
+        const int64_t scale_offset = data_bytes + ((int64_t)h * block_size + offset) * 4;             \
+        int8_t row[MAX_HEAD_DIM];                                                                     \
+        QUANTIZE_INTO_BLOCK(SUFFIX, key + t * key_stride + (int64_t)h * head_dim, head_dim, row,      \
+                            kb + scale_offset);                                                       \
+        int8_t *fours = kb + (int64_t)h * head_dim * block_size + 4 * offset;                         \
+        for (int p = 0; p < head_dim / 4; p++) memcpy(fours + (int64_t)p * 4 * block_size, row + 4 * p, 4); \
+        QUANTIZE_INTO_BLOCK(SUFFIX, value + t * value_stride + (int64_t)h * head_dim, head_dim,       \
+                            vb + (offset * num_kv_heads + h) * head_dim, vb + scale_offset);          \
+      }                                                                                               \
+    }                                                                                                 \
+    return 0;                                                                                         \
   }
 
 DEFINE_WRITE(f32, float)

@@ -3,11 +3,14 @@
  * and bfloat16 caches.
  *
  * Cache layout (attention/int8_kv_cache.py): one int8 tensor per layer, [2, num_blocks,
- * block_bytes], keys then values; a block holds int8 [block_size, num_kv_heads, head_dim], then
- * float32 scales [block_size, num_kv_heads]. Element d of a (token, KV head) row is q[d] * scale,
- * q in [-127, 127]. So score_t = scale * k_scale_t * (query . k_int8_t), and the output is
- * sum_t p_t * v_scale_t * v_int8_t / sum_t p_t: a row's scale applies to its one score or to its
- * one weight, never to its head_dim values.
+ * block_bytes], keys then values. A key block holds, per KV head, int8 [head_dim / 4, block_size,
+ * 4]: each row's dimensions in fours, the block's tokens side by side per four, so one pass takes
+ * 16 tokens' scores at once with no sum across lanes (decode_int8_keys.h). A value block holds
+ * int8 [block_size, num_kv_heads, head_dim] rows. Both end with their float32 scales
+ * [num_kv_heads, block_size].
+ * Element d of a (token, KV head) row is q[d] * scale, q in [-127, 127]. So score_t = scale *
+ * k_scale_t * (query . k_int8_t), and the output is sum_t p_t * v_scale_t * v_int8_t / sum_t p_t:
+ * a row's scale applies to its one score or to its one weight, never to its head_dim values.
  *
  * query and out [num_reqs, num_heads, head_dim] float32; block_table [num_reqs,
  * block_table_stride] int64; seq_lens [num_reqs] int64; scratch [num_threads,
@@ -16,17 +19,20 @@
  * that does not match the shapes.
  *
  * Two sets of passes:
- *  - generic (any CPU; GCC vector extensions of 8 floats): a chunk's int8 rows widened to float32
- *    once for the whole group of query heads, float32 query and weights;
+ *  - generic (any CPU): float32 query and weights against the int8 keys and values widened to
+ *    float32;
  *  - where the CPU has AVX512_BF16 and AVX512_VBMI (Zen 4, Sapphire Rapids) and head_dim is a
- *    multiple of 64: rows turned into bfloat16 by the byte table of int8_bf16.h (exact for
- *    |q| <= 127) and multiplied on VDPBF16PS, the query heads rounded to bfloat16 once per item
- *    and the weights p_t * v_scale_t rounded to bfloat16, as the bfloat16 kernel rounds them.
+ *    multiple of 64: the keys (blocks of a multiple of 16 tokens; with AVX512_VNNI) against each
+ *    query head quantized in steps of 2^-14 of its largest |value|, summed exactly in int32 on
+ *    VPDPBUSD (decode_int8_keys.h); the values turned into bfloat16 by the byte table of
+ *    int8_bf16.h (exact for |q| <= 127) and multiplied on VDPBF16PS against the weights p_t *
+ *    v_scale_t rounded to bfloat16, as the bfloat16 kernel rounds them.
  */
 #include <stdint.h>
 #include <string.h>
 
 #include "decode_common.h"
+#include "decode_int8_keys.h"
 #include "int8_bf16.h"
 
 #if defined(__AVX2__)
@@ -34,20 +40,20 @@
 #endif
 
 #define PAGED_DECODE_INT8_BAD_BLOCK_BYTES 4
-/* Rows are prefetched into L2 this many chunks ahead. A row is one line at head_dim 64, so a
+/* Value rows are prefetched into L2 this many chunks ahead. A row is one line at head_dim 64, so a
  * chunk's 8 lines ahead left the loop waiting on memory: SmolLM2's shapes, 64 requests x 1000
  * tokens over caches cycled from memory, two threads: 4.6 ms a call at one chunk ahead into L1
  * (as paged_decode.c), 3.6 ms at two into L1, 2.1 ms at 8 chunks into L2. */
 #define PREFETCH_CHUNKS 8
 #define PREFETCH_LOCALITY 1
 
-/* Where one KV head's rows lie in one half of the cache (keys or values). */
+/* Where one KV head's rows lie in the value half of the cache. */
 typedef struct {
   const int8_t *data;   /* the head's row in token slot 0 of block 0 */
   const int8_t *scales; /* the head's scale in token slot 0 of block 0 (float32 bytes) */
   int64_t block_bytes;
   int64_t row_bytes;   /* num_kv_heads * head_dim: one token's data, all KV heads */
-  int64_t scale_bytes; /* num_kv_heads * 4: one token's scales */
+  int64_t scale_bytes; /* from one token's scale to the next's: 4, a head's scales are contiguous */
   int block_size;
 } HeadRows;
 
@@ -86,6 +92,28 @@ static inline __attribute__((always_inline)) void head_rows(const HeadRows *h, c
   }
 }
 
+/* head_rows where a chunk lies in one block (blocks of a multiple of CHUNK tokens): its rows a
+ * fixed stride apart, its scales one vector; the rows and scales of the block VALUE_PREFETCH_BLOCKS
+ * ahead prefetched at each block's first chunk (at the first, every block up to there). */
+#define VALUE_PREFETCH_BLOCKS 4
+static inline __attribute__((always_inline)) void chunk_rows(const HeadRows *h, const int64_t *blocks, int64_t t0,
+                                                             int64_t seq_len, int head_dim,
+                                                             const int8_t *rows[CHUNK], float scales[CHUNK]) {
+  const int bs = h->block_size;
+  const int64_t n = seq_len - t0 < CHUNK ? seq_len - t0 : CHUNK, b = t0 / bs, offset = t0 % bs;
+  const int64_t base = blocks[b] * h->block_bytes;
+  for (int j = 0; j < CHUNK; j++) rows[j] = h->data + base + (offset + (j < n ? j : 0)) * h->row_bytes;
+  memcpy(scales, h->scales + base + offset * h->scale_bytes, sizeof(float) * CHUNK); /* past n: weighted 0 */
+  if (offset) return;
+  const int64_t num_blocks = (seq_len + bs - 1) / bs;
+  for (int64_t a = b == 0 ? 1 : b + VALUE_PREFETCH_BLOCKS; a <= b + VALUE_PREFETCH_BLOCKS && a < num_blocks; a++) {
+    const int64_t ahead = blocks[a] * h->block_bytes;
+    for (int j = 0; j < bs; j++)
+      for (int c = 0; c < head_dim; c += 64) __builtin_prefetch(h->data + ahead + j * h->row_bytes + c, 0, PREFETCH_LOCALITY);
+    for (int c = 0; c < 4 * bs; c += 64) __builtin_prefetch(h->scales + ahead + c, 0, PREFETCH_LOCALITY);
+  }
+}
+
 /* 8 int8 as float32 (GCC turns a vector int8 -> float conversion into scalar code). */
 static inline v8f load_int8(const int8_t *p) {
 #if defined(__AVX2__)
@@ -104,60 +132,18 @@ static inline __attribute__((always_inline)) void widen_rows(const int8_t *rows[
 }
 
 #if HAS_INT8_BF16_TABLE
-/* The key pass on VDPBF16PS: the query heads rounded to bfloat16 once and permuted into the byte
- * table's element order (X_LINE_LO/HI), so the key rows are converted as they lie; a chunk's 8
- * rows are converted once for the whole group, then each query head takes 32 products per
- * instruction against them, summed in float32. */
-static inline __attribute__((always_inline)) int key_scores_impl(const float *q, const HeadRows *keys,
-                                                                 const int64_t *blocks, int64_t seq_len, float scale,
-                                                                 float *scores, int64_t padded, int group,
-                                                                 const int head_dim, v8f *max8) {
-  const int num_halves = head_dim / 32; /* bfloat16 vectors per row */
-  const Bf16Tables t = load_bf16_tables();
-  __m512bh qb[MAX_GROUP][MAX_HEAD_DIM / 32];
-  for (int g = 0; g < group; g++)
-    for (int c = 0; c < head_dim / 64; c++) {
-      const float *qc = q + g * head_dim + 64 * c;
-      const __m512i x0 = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(qc + 16), _mm512_loadu_ps(qc));
-      const __m512i x1 = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(qc + 48), _mm512_loadu_ps(qc + 32));
-      qb[g][2 * c] = (__m512bh)X_LINE_LO(x0, x1);
-      qb[g][2 * c + 1] = (__m512bh)X_LINE_HI(x0, x1);
-    }
-  const int8_t *rows[CHUNK];
-  float row_scales[CHUNK];
-  for (int64_t t0 = 0; t0 < seq_len; t0 += CHUNK) {
-    const int64_t n = seq_len - t0 < CHUNK ? seq_len - t0 : CHUNK;
-    head_rows(keys, blocks, t0, seq_len, head_dim, rows, row_scales);
-    __m512bh k[CHUNK][MAX_HEAD_DIM / 32];
-    for (int j = 0; j < CHUNK; j++)
-      for (int c = 0; c < head_dim / 64; c++)
-        int8_line_to_bf16(&t, _mm512_loadu_si512(rows[j] + 64 * c), &k[j][2 * c], &k[j][2 * c + 1]);
-    const v8f row_scale = load_f32(row_scales) * scale;
-    for (int g = 0; g < group; g++) {
-      __m512 d[CHUNK];
-      for (int j = 0; j < CHUNK; j++) {
-        __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[g][0], k[j][0]);
-        for (int c = 1; c < num_halves; c++) dot = _mm512_dpbf16_ps(dot, qb[g][c], k[j][c]);
-        d[j] = dot;
-      }
-      v8f s = sum_lanes16x8(d) * row_scale;
-      for (int j = (int)n; j < CHUNK; j++) s[j] = -INFINITY;
-      store_f32(scores + g * padded + t0, s);
-      max8[g] = vmax(max8[g], s);
-    }
-  }
-  return 1;
-}
-
 /* The value pass on VDPBF16PS: two keys' int8 rows interleaved byte by byte before the table
  * conversion, so each 32-bit lane holds (v_j[d], v_j+1[d]) in bfloat16, against the pair of
- * weights (p_j v_scale_j, p_j+1 v_scale_j+1) rounded to bfloat16; a chunk's pairs are converted
- * once for the whole group. The interleave and the table both work within 128-bit lanes:
- * sums[4c + m] lane 4L + i holds dimension 64c + 16L + 4m + i, put back in order once at the end.
- * acc [group][head_dim]. */
-static inline __attribute__((always_inline)) int value_sums_impl(const HeadRows *values, const int64_t *blocks,
-                                                                 int64_t seq_len, const float *probs, int64_t padded,
-                                                                 int group, const int head_dim, float *acc) {
+ * weights (p_j v_scale_j, p_j+1 v_scale_j+1) rounded to bfloat16; each pair is converted once for
+ * the whole group. The interleave and the table both work within 128-bit lanes: sums[4c + m] lane
+ * 4L + i holds dimension 64c + 16L + 4m + i, put back in order once at the end. acc [group]
+ * [head_dim]. Every pair of a chunk is taken, those past the sequence weighted 0 (their rows
+ * repeat row t0), so the loops have constant bounds and, with the group constant (below), the
+ * group's sums stay in registers. */
+static inline __attribute__((always_inline)) void value_sums_impl(const HeadRows *values, const int64_t *blocks,
+                                                                  int64_t seq_len, const float *probs,
+                                                                  int64_t padded, const int group,
+                                                                  const int head_dim, float *acc) {
   const int num_vectors = head_dim / 16;
   const Bf16Tables t = load_bf16_tables();
   __m512 sums[MAX_GROUP][MAX_HEAD_DIM / 16];
@@ -165,26 +151,30 @@ static inline __attribute__((always_inline)) int value_sums_impl(const HeadRows 
     for (int v = 0; v < num_vectors; v++) sums[g][v] = _mm512_setzero_ps();
   const int8_t *rows[CHUNK];
   float row_scales[CHUNK];
+  const int whole_chunks = values->block_size % CHUNK == 0;
   for (int64_t t0 = 0; t0 < seq_len; t0 += CHUNK) {
     const int64_t n = seq_len - t0 < CHUNK ? seq_len - t0 : CHUNK;
-    const int num_pairs = (int)(n + 1) / 2; /* rows[j + 1] past n is row t0, weighted 0 */
-    head_rows(values, blocks, t0, seq_len, head_dim, rows, row_scales);
-    __m512bh pairs[CHUNK / 2][MAX_HEAD_DIM / 16];
-    for (int i = 0; i < CHUNK / 2; i++)
-      for (int c = 0; c < head_dim / 64; c++) {
-        const __m512i a = _mm512_loadu_si512(rows[2 * i] + 64 * c), b = _mm512_loadu_si512(rows[2 * i + 1] + 64 * c);
-        int8_line_to_bf16(&t, _mm512_unpacklo_epi8(a, b), &pairs[i][4 * c], &pairs[i][4 * c + 1]);
-        int8_line_to_bf16(&t, _mm512_unpackhi_epi8(a, b), &pairs[i][4 * c + 2], &pairs[i][4 * c + 3]);
-      }
+    if (whole_chunks)
+      chunk_rows(values, blocks, t0, seq_len, head_dim, rows, row_scales);
+    else
+      head_rows(values, blocks, t0, seq_len, head_dim, rows, row_scales);
+    uint32_t weights[MAX_GROUP][CHUNK / 2]; /* bfloat16 pairs (p_j v_scale_j, p_j+1 v_scale_j+1) */
     for (int g = 0; g < group; g++) {
       v8f w = load_f32(probs + g * padded + t0) * load_f32(row_scales);
       for (int j = (int)n; j < CHUNK; j++) w[j] = 0.f; /* past the sequence the scores are -inf */
       const __m128bh h = _mm256_cvtneps_pbh((__m256)w);
-      uint32_t weights[CHUNK / 2]; /* bfloat16 pairs (p_j v_scale_j, p_j+1 v_scale_j+1) */
-      memcpy(weights, &h, sizeof weights);
-      for (int i = 0; i < num_pairs; i++) {
-        const __m512bh wi = (__m512bh)_mm512_set1_epi32((int)weights[i]);
-        for (int v = 0; v < num_vectors; v++) sums[g][v] = _mm512_dpbf16_ps(sums[g][v], pairs[i][v], wi);
+      memcpy(weights[g], &h, sizeof weights[g]);
+    }
+    for (int i = 0; i < CHUNK / 2; i++) {
+      __m512bh pair[MAX_HEAD_DIM / 16];
+      for (int c = 0; c < head_dim / 64; c++) {
+        const __m512i a = _mm512_loadu_si512(rows[2 * i] + 64 * c), b = _mm512_loadu_si512(rows[2 * i + 1] + 64 * c);
+        int8_line_to_bf16(&t, _mm512_unpacklo_epi8(a, b), &pair[4 * c], &pair[4 * c + 1]);
+        int8_line_to_bf16(&t, _mm512_unpackhi_epi8(a, b), &pair[4 * c + 2], &pair[4 * c + 3]);
+      }
+      for (int g = 0; g < group; g++) {
+        const __m512bh wi = (__m512bh)_mm512_set1_epi32((int)weights[g][i]);
+        for (int v = 0; v < num_vectors; v++) sums[g][v] = _mm512_dpbf16_ps(sums[g][v], pair[v], wi);
       }
     }
   }
@@ -195,34 +185,40 @@ static inline __attribute__((always_inline)) int value_sums_impl(const HeadRows 
       float *dst = acc + g * head_dim + 64 * (v / 4) + 4 * (v % 4);
       for (int l = 0; l < 4; l++) memcpy(dst + 16 * l, lanes + 4 * l, 4 * sizeof(float));
     }
-  return 1;
 }
 
-/* The passes with head_dim constant where it is 64 or 128, so the loops over a row unroll. */
-static int key_scores_table(const float *q, const HeadRows *keys, const int64_t *blocks, int64_t seq_len,
-                            float scale, float *scores, int64_t padded, int group, int head_dim, v8f *max8) {
-  if (head_dim == 64) return key_scores_impl(q, keys, blocks, seq_len, scale, scores, padded, group, 64, max8);
-  if (head_dim == 128) return key_scores_impl(q, keys, blocks, seq_len, scale, scores, padded, group, 128, max8);
-  if (head_dim % 64) return 0;
-  return key_scores_impl(q, keys, blocks, seq_len, scale, scores, padded, group, head_dim, max8);
-}
-
+/* The value pass with head_dim constant where it is 64 or 128 (the loops over a row unroll), and
+ * the group where it is 1 to 8 (GQA's usual groups: the sums then stay in registers). */
+#define VALUE_SUMS_GROUP(G)                                                                         \
+  case G:                                                                                         \
+    if (head_dim == 64) value_sums_impl(values, blocks, seq_len, probs, padded, G, 64, acc);       \
+    else if (head_dim == 128) value_sums_impl(values, blocks, seq_len, probs, padded, G, 128, acc); \
+    else value_sums_impl(values, blocks, seq_len, probs, padded, G, head_dim, acc);                \
+    return 1;
 static int value_sums_table(const HeadRows *values, const int64_t *blocks, int64_t seq_len, const float *probs,
                             int64_t padded, int group, int head_dim, float *acc) {
-  if (head_dim == 64) return value_sums_impl(values, blocks, seq_len, probs, padded, group, 64, acc);
-  if (head_dim == 128) return value_sums_impl(values, blocks, seq_len, probs, padded, group, 128, acc);
   if (head_dim % 64) return 0;
-  return value_sums_impl(values, blocks, seq_len, probs, padded, group, head_dim, acc);
+  switch (group) {
+    VALUE_SUMS_GROUP(1)
+    VALUE_SUMS_GROUP(2)
+    VALUE_SUMS_GROUP(3)
+    VALUE_SUMS_GROUP(4)
+    VALUE_SUMS_GROUP(5)
+    VALUE_SUMS_GROUP(6)
+    VALUE_SUMS_GROUP(7)
+    VALUE_SUMS_GROUP(8)
+    default:
+      value_sums_impl(values, blocks, seq_len, probs, padded, group, head_dim, acc);
+      return 1;
+  }
 }
-#define KEY_SCORES_FAST key_scores_table
 #define VALUE_SUMS_FAST value_sums_table
 #else
-#define KEY_SCORES_FAST(...) 0
 #define VALUE_SUMS_FAST(...) 0
 #endif
 
 /* One request, one KV head and its `group` query heads; `lanes` is head_dim / 8. */
-static inline __attribute__((always_inline)) void decode_group(const float *q, const HeadRows *keys,
+static inline __attribute__((always_inline)) void decode_group(const float *q, const HeadKeys *keys,
                                                                const HeadRows *values, const int64_t *blocks,
                                                                int64_t seq_len, float scale, float *out,
                                                                float *scratch, int group, const int lanes) {
@@ -231,31 +227,10 @@ static inline __attribute__((always_inline)) void decode_group(const float *q, c
   float *buf = scratch + (int64_t)group * padded;
   float *acc = buf + CHUNK * head_dim;
   const int8_t *rows[CHUNK];
-  float row_scales[CHUNK], inv_sum[MAX_GROUP];
-  v8f max8[MAX_GROUP];
-  for (int g = 0; g < group; g++) max8[g] = (v8f){0} - INFINITY;
-  const int fast = KEY_SCORES_FAST(q, keys, blocks, seq_len, scale, scratch, padded, group, head_dim, max8);
-  for (int64_t t0 = 0; !fast && t0 < seq_len; t0 += CHUNK) {
-    const int64_t n = seq_len - t0 < CHUNK ? seq_len - t0 : CHUNK;
-    head_rows(keys, blocks, t0, seq_len, head_dim, rows, row_scales);
-    widen_rows(rows, lanes, buf);
-    const v8f row_scale = load_f32(row_scales) * scale;
-    for (int g = 0; g < group; g++) {
-      v8f qv[MAX_HEAD_DIM / 8], d[CHUNK];
-      for (int l = 0; l < lanes; l++) qv[l] = load_f32(q + g * head_dim + 8 * l);
-      for (int j = 0; j < CHUNK; j++) {
-        v8f dot = qv[0] * load_f32(buf + j * head_dim);
-        for (int l = 1; l < lanes; l++) dot += qv[l] * load_f32(buf + j * head_dim + 8 * l);
-        d[j] = dot;
-      }
-      v8f s = sum_lanes8(d) * row_scale;
-      for (int j = (int)n; j < CHUNK; j++) s[j] = -INFINITY;
-      store_f32(scratch + g * padded + t0, s);
-      max8[g] = vmax(max8[g], s);
-    }
-  }
+  float row_scales[CHUNK], inv_sum[MAX_GROUP], max_score[MAX_GROUP];
+  key_scores(q, keys, blocks, seq_len, scale, scratch, padded, group, head_dim, max_score);
   for (int g = 0; g < group; g++) {
-    inv_sum[g] = 1.f / softmax_numerators(scratch + g * padded, seq_len, hmax(max8[g]));
+    inv_sum[g] = 1.f / softmax_numerators(scratch + g * padded, seq_len, max_score[g]);
     memset(acc + g * head_dim, 0, sizeof(float) * head_dim);
   }
   const int fast_values = VALUE_SUMS_FAST(values, blocks, seq_len, scratch, padded, group, head_dim, acc);
@@ -303,11 +278,12 @@ int paged_decode_int8(const float *query, const int8_t *key_cache, const int8_t 
     const int kv_head = (int)(item % num_kv_heads);
     float *s = scratch + (int64_t)THREAD_NUM() * per_thread;
     const int64_t *blocks = block_table + req * block_table_stride;
-    const int64_t row_bytes = (int64_t)num_kv_heads * head_dim, scale_bytes = (int64_t)num_kv_heads * 4;
-    const HeadRows keys = {key_cache + (int64_t)kv_head * head_dim, key_cache + data_bytes + 4 * kv_head,
-                           block_bytes, row_bytes, scale_bytes, block_size};
-    const HeadRows values = {value_cache + (int64_t)kv_head * head_dim, value_cache + data_bytes + 4 * kv_head,
-                             block_bytes, row_bytes, scale_bytes, block_size};
+    const int64_t row_bytes = (int64_t)num_kv_heads * head_dim;
+    const HeadKeys keys = {key_cache + (int64_t)kv_head * head_dim * block_size,
+                           key_cache + data_bytes + 4 * (int64_t)kv_head * block_size, block_bytes, block_size};
+    const HeadRows values = {value_cache + (int64_t)kv_head * head_dim,
+                             value_cache + data_bytes + 4 * (int64_t)kv_head * block_size, block_bytes, row_bytes, 4,
+                             block_size};
     const int64_t first = (req * num_heads + (int64_t)kv_head * group) * head_dim;
     if (head_dim == 64)
       decode_group(query + first, &keys, &values, blocks, seq_lens[req], scale, out + first, s, group, 8);
