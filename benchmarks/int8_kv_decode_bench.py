@@ -3,7 +3,8 @@
 
     flock /tmp/spindle-cpu.lock .venv/bin/python -m benchmarks.int8_kv_decode_bench
         [--shapes 32x400,32x1000,64x400,64x1000] [--heads 9,3,64] [--block-size 16]
-        [--march native|x86-64-v3] [--only bf16|int8] [--out benchmarks/results/int8_kv_decode_bench.json]
+        [--march native|x86-64-v3] [--only bf16|int8] [--from-cache]
+        [--out benchmarks/results/int8_kv_decode_bench.json]
 
 SmolLM2-135M's attention shape by default (9 query heads sharing 3 KV heads of 64, blocks of 16),
 bfloat16 queries, block tables scattered over the cache as in a long-running server. Each call
@@ -13,7 +14,8 @@ milliseconds per call (median of REPEATS timed passes over the layers) and the c
 per second (keys and values; the int8 cache's scales included), and the largest difference of the
 int8 kernel's output from the bfloat16 kernel's on the same keys and values (dequantized, then
 rounded to bfloat16): quantization error, not the kernel's. `--only` times one kernel alone (the
-other's figures and the difference are then left out).
+other's figures and the difference are then left out); `--from-cache` cycles over two layers'
+caches, which the last-level cache holds at small shapes: the kernels' arithmetic alone.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from services.worker.attention.cpu_decode_int8 import PagedDecodeInt8Kernel
 from services.worker.attention.int8_kv_cache import int8_block_bytes, quantize_int8_rows, split_int8_cache
 from services.worker.cpu_kernels import load_cpu_kernels
 
-MIN_CYCLE_BYTES = int(os.environ.get("CYC", 256 << 20))  # several times a last-level cache
+MIN_CYCLE_BYTES = 256 << 20  # several times a last-level cache
 REPEATS = 7
 
 
@@ -63,7 +65,8 @@ def _pass_ms(calls: list) -> float:
 
 
 def measure(int8_kernel: PagedDecodeInt8Kernel, bf16_kernel: PagedDecodeKernel, num_reqs: int, context_len: int,
-            num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, only: str | None = None) -> dict:
+            num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, only: str | None = None,
+            min_cycle_bytes: int = MIN_CYCLE_BYTES) -> dict:
     gen = torch.Generator().manual_seed(0)
     blocks_per_req = -(-context_len // block_size)
     num_blocks = num_reqs * blocks_per_req + 1  # block 0 is the null block
@@ -74,8 +77,8 @@ def measure(int8_kernel: PagedDecodeInt8Kernel, bf16_kernel: PagedDecodeKernel, 
     bf16_bytes = 2 * num_reqs * context_len * num_kv_heads * head_dim * 2
     int8_bytes = 2 * num_reqs * context_len * num_kv_heads * (head_dim + 4)
     int8_cache, bf16_cache = _caches(num_blocks, block_size, num_kv_heads, head_dim, gen)
-    num_layers = max(2, -(-MIN_CYCLE_BYTES // int8_bytes))
-    num_bf16_layers = max(2, -(-MIN_CYCLE_BYTES // bf16_bytes))
+    num_layers = max(2, -(-min_cycle_bytes // int8_bytes))
+    num_bf16_layers = max(2, -(-min_cycle_bytes // bf16_bytes))
     row = {"num_reqs": num_reqs, "context_len": context_len, "bf16_cache_mb": bf16_bytes / 1e6,
            "int8_cache_mb": int8_bytes / 1e6}
     if only != "bf16":
@@ -105,6 +108,9 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--march", default="native")
     parser.add_argument("--only", choices=("bf16", "int8"), help="time one kernel alone")
+    parser.add_argument("--from-cache", action="store_true",
+                        help="cycle over two layers' caches only, so they come from the last-level cache where they "
+                             "fit: the kernels' arithmetic without the memory's share")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "int8_kv_decode_bench.json"))
     args = parser.parse_args()
     os.environ["SPINDLE_CPU_KERNEL_MARCH"] = args.march
@@ -119,7 +125,7 @@ def main() -> None:
     for shape in args.shapes.split(","):
         num_reqs, context_len = (int(x) for x in shape.split("x"))
         row = measure(int8_kernel, bf16_kernel, num_reqs, context_len, num_heads, num_kv_heads, head_dim,
-                      args.block_size, args.only)
+                      args.block_size, args.only, 0 if args.from_cache else MIN_CYCLE_BYTES)
         rows.append(row)
         if args.only is not None:
             kind = args.only
@@ -131,7 +137,7 @@ def main() -> None:
               f"int8 {row['int8_speedup']:.2f}x; max diff {row['max_diff_int8_vs_bf16']:.1e}", flush=True)
     out = Path(args.out)
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"march": args.march, "heads": [num_heads, num_kv_heads, head_dim],
+    out.write_text(json.dumps({"march": args.march, "from_cache": args.from_cache, "heads": [num_heads, num_kv_heads, head_dim],
                                "block_size": args.block_size, "torch_threads": torch.get_num_threads(),
                                "int8_bf16_dot": int8_kernel.has_bf16_dot, "rows": rows}, indent=2))
 
