@@ -10,6 +10,7 @@ from services.worker.attention.cpu_decode_int8 import PagedDecodeInt8Kernel
 from services.worker.attention.cpu_int8_backend import Int8CacheCpuBackend
 from services.worker.attention.cpu_prefill import PagedPrefillKernel
 from services.worker.attention.int8_kv_cache import (
+    Int8KVDequantizer,
     Int8KVWriter,
     dequantize_blocks,
     int8_block_bytes,
@@ -75,6 +76,13 @@ def test_writer_puts_the_quantizers_bits_at_each_slot_of_the_layout(library, dty
         dense = dequantize_blocks(cache[half], half, blocks.unique(), block_size, num_kv_heads, head_dim, torch.float32)
         assert dense.shape == (blocks.unique().numel(), block_size, num_kv_heads, head_dim)
         assert torch.equal(dense, data[blocks.unique()].float().flatten(-2) * scales[blocks.unique()][..., None])
+        # The compiled dequantizer gives the reference's values bit for bit, in both dtypes, for
+        # blocks in any order and repeated.
+        some = torch.cat([blocks.unique().flip(0), blocks[:3]])
+        for out_dtype in (torch.float32, torch.bfloat16):
+            compiled = Int8KVDequantizer(library)(cache[half], half, some, block_size, num_kv_heads, head_dim, out_dtype)
+            reference = dequantize_blocks(cache[half], half, some, block_size, num_kv_heads, head_dim, out_dtype)
+            assert compiled.dtype == out_dtype and torch.equal(compiled, reference)
     # The documented byte order, spelled out for one element of each half: token 0's row for KV
     # head 2, dimension 37 (four 9, second of the four), and its scales.
     block, offset, h, d = int(slots[0]) // block_size, int(slots[0]) % block_size, 2, 37
@@ -97,6 +105,18 @@ def test_writer_refuses_a_slot_past_the_cache_before_writing_anything(library):
         Int8KVWriter(library)(k, k, _empty_cache(4, 8, 3, 64), torch.tensor([3, 4]), 16)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         Int8KVWriter(library)(k.half(), k.half(), cache, torch.tensor([3, 4]), 16)
+
+
+def test_dequantizer_refuses_what_it_cannot_read(library):
+    cache = _empty_cache(4, 16, 3, 64)
+    dequantize = Int8KVDequantizer(library)
+    with pytest.raises(ValueError, match="lie in the cache"):
+        dequantize(cache[0], 0, torch.tensor([1, 4]), 16, 3, 64, torch.float32)
+    with pytest.raises(ValueError, match="cache half"):
+        dequantize(cache[0], 0, torch.tensor([1]), 8, 3, 64, torch.float32)  # wrong block size
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        dequantize(cache[0], 0, torch.tensor([1]), 16, 3, 64, torch.float16)
+    assert dequantize(cache[1], 1, torch.tensor([], dtype=torch.int64), 16, 3, 64, torch.float32).shape == (0, 16, 3, 64)
 
 
 def _int8_batch(library, dtype, block_size, seed, num_heads=9, num_kv_heads=3, head_dim=64,
@@ -126,7 +146,8 @@ def test_a_mixed_step_attends_over_the_dequantized_history(library, dtype, block
     batch, cache, dense = _int8_batch(library, dtype, block_size, seed=block_size)
     prefill_kernel = PagedPrefillKernel(library)
     for kernel in (prefill_kernel if prefill_kernel.is_available else None, None):
-        backend = Int8CacheCpuBackend(PagedDecodeInt8Kernel(library), Int8KVWriter(library), 3, 64, kernel)
+        backend = Int8CacheCpuBackend(PagedDecodeInt8Kernel(library), Int8KVWriter(library),
+                                      Int8KVDequantizer(library), 3, 64, kernel)
         out = backend.forward(batch.query, batch.key, batch.value, cache.clone(),
                               backend.build_metadata(batch.common), 0.125)
         assert out.dtype == dtype and out.shape == (batch.query.shape[0], 9 * 64)

@@ -3,11 +3,11 @@
 Decode tokens, whose attention is bound by the cache bytes it reads, run on the compiled int8
 decode kernel (csrc/paged_decode_int8.c), which reads the int8 rows and their scales in place:
 half of bfloat16's bytes. Prefills, whose attention is bound by arithmetic, dequantize the blocks
-their slices read once per layer into a dense cache in the model's dtype and attend there, on the
-compiled prefill kernel where it serves the dtype and on SDPA otherwise, through block tables
-remapped once per step. Every query reads keys and values as the cache holds them, this step's
-too, so prefill and decode see the same values whichever kernel runs. Keys and values are written
-by the compiled int8 writer.
+their slices read once per layer (the compiled dequantizer, csrc/kv_int8.c) into a dense cache in
+the model's dtype and attend there, on the compiled prefill kernel where it serves the dtype and
+on SDPA otherwise, through block tables remapped once per step. Every query reads keys and values
+as the cache holds them, this step's too, so prefill and decode see the same values whichever
+kernel runs. Keys and values are written by the compiled int8 writer.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 from services.worker.attention.cpu_backend import CpuAttentionBackend
 from services.worker.attention.cpu_decode_int8 import PagedDecodeInt8Kernel
 from services.worker.attention.cpu_prefill import PagedPrefillKernel, PrefillSlices, build_prefill_slices
-from services.worker.attention.int8_kv_cache import Int8KVWriter, dequantize_blocks, int8_block_bytes
+from services.worker.attention.int8_kv_cache import Int8KVDequantizer, Int8KVWriter, int8_block_bytes
 from services.worker.attention.torch_backend import (
     DecodeAttention,
     PrefillSlice,
@@ -63,12 +63,12 @@ class Int8PrefillPlan:
 class Int8CacheCpuBackend(CpuAttentionBackend):
     name = "cpu-int8kv"
 
-    def __init__(self, decode_kernel: PagedDecodeInt8Kernel, writer: Int8KVWriter, num_kv_heads: int,
-                 head_dim: int, prefill_kernel: PagedPrefillKernel | None = None):
+    def __init__(self, decode_kernel: PagedDecodeInt8Kernel, writer: Int8KVWriter, dequantizer: Int8KVDequantizer,
+                 num_kv_heads: int, head_dim: int, prefill_kernel: PagedPrefillKernel | None = None):
         # Not CpuAttentionBackend.__init__: its decode reads a cache in the model's dtype.
         TorchAttentionBackend.__init__(self, Int8KernelDecode(decode_kernel, num_kv_heads, head_dim))
         self.prefill_kernel = prefill_kernel
-        self.writer = writer
+        self.writer, self.dequantizer = writer, dequantizer
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
 
     @staticmethod
@@ -98,6 +98,6 @@ class Int8CacheCpuBackend(CpuAttentionBackend):
         plan: Int8PrefillPlan = metadata.prefill
         dense = replace(metadata, prefills=plan.prefills, prefill=plan.slices)
         geometry = (metadata.block_size, self.num_kv_heads, self.head_dim, query.dtype)
-        keys = dequantize_blocks(key_cache, 0, plan.block_ids, *geometry)
-        values = dequantize_blocks(value_cache, 1, plan.block_ids, *geometry)
+        keys = self.dequantizer(key_cache, 0, plan.block_ids, *geometry)
+        values = self.dequantizer(value_cache, 1, plan.block_ids, *geometry)
         super().attend_prefills(query, key, value, keys, values, dense, scale, output)

@@ -1,5 +1,5 @@
-"""The int8 KV cache (`--kv-cache-dtype int8`): its layout, the compiled writer, the PyTorch
-reference quantizer and the dequantization of blocks for prefill attention.
+"""The int8 KV cache (`--kv-cache-dtype int8`): its layout, the compiled writer and dequantizer, and
+their PyTorch references (the quantizer, the dequantization of blocks for prefill attention).
 
 One int8 tensor per layer, [2, num_blocks, block_bytes] (0 keys, 1 values). Each (token, KV head)
 row is quantized on its own, symmetrically, scale = max|x| / 127, so an outlier in one head or
@@ -21,6 +21,7 @@ MAX_HEAD_DIM = 256  # csrc/kv_int8.c
 KEY_GROUP = 4  # a key row's dimensions lie in fours, the block's tokens side by side per four
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _WRITE_ARGTYPES = [_P, _I64, _P, _I64, _P, _I64, _I32, _I32, _I32, _I64, _I64, _P, _P]
+_DEQUANTIZE_ARGTYPES = [_P, _I64, _P, _I64, _I32, _I32, _I32, _I32, _P]
 
 
 def int8_row_bytes(head_dim: int) -> int:
@@ -66,7 +67,8 @@ def split_int8_cache(cache: torch.Tensor, half: int, block_size: int, num_kv_hea
 def dequantize_blocks(cache: torch.Tensor, half: int, block_ids: torch.Tensor, block_size: int, num_kv_heads: int,
                       head_dim: int, dtype: torch.dtype) -> torch.Tensor:
     """Blocks `block_ids` of one half of a layer's cache as [len(block_ids), block_size, H_kv, D] in
-    `dtype`, contiguous: a dense cache the prefill kernels read through remapped block tables."""
+    `dtype`, contiguous: a dense cache the prefill kernels read through remapped block tables. The
+    reference of Int8KVDequantizer, which serves."""
     data, scales = split_int8_cache(cache.index_select(0, block_ids), half, block_size, num_kv_heads, head_dim)
     return (data.to(torch.float32).flatten(-2) * scales[..., None]).to(dtype).contiguous()
 
@@ -107,3 +109,35 @@ class Int8KVWriter:
             num_kv_heads, head_dim, block_size, block_bytes, kv_cache.shape[1], kv_cache.data_ptr(), value_cache_ptr)
         if status:  # 1 (head_dim) is checked above
             raise ValueError(f"int8 KV writer: a slot is past the cache's {kv_cache.shape[1] * block_size} slots")
+
+
+class Int8KVDequantizer:
+    """The compiled dequantizer (csrc/kv_int8.c) of cache blocks for prefill attention: one pass,
+    where `dequantize_blocks` takes five; the same values bit for bit."""
+
+    def __init__(self, library: ctypes.CDLL):
+        self._functions = {}
+        for dtype, name in ((torch.float32, "dequantize_kv_int8_f32"), (torch.bfloat16, "dequantize_kv_int8_bf16")):
+            function = getattr(library, name)
+            function.argtypes, function.restype = _DEQUANTIZE_ARGTYPES, ctypes.c_int
+            self._functions[dtype] = function
+
+    def __call__(self, cache: torch.Tensor, half: int, block_ids: torch.Tensor, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+        """As `dequantize_blocks`: one half of a layer's cache, [num_blocks, block_bytes] int8,
+        blocks `block_ids` (int64, each in the cache) -> [len(block_ids), block_size, H_kv, D]."""
+        if dtype not in self._functions:
+            raise ValueError(f"int8 KV dequantizer gives float32 or bfloat16, not {dtype}")
+        if (cache.dtype != torch.int8 or cache.dim() != 2 or not cache.is_contiguous() or head_dim % KEY_GROUP
+                or cache.shape[1] != int8_block_bytes(block_size, num_kv_heads, head_dim) or half not in (0, 1)):
+            raise ValueError(f"not a contiguous int8 cache half of {block_size}-token blocks for {num_kv_heads} KV "
+                             f"heads of {head_dim}: {cache.dtype} {tuple(cache.shape)}")
+        block_ids = block_ids.to(torch.int64).contiguous()
+        if block_ids.numel() and not 0 <= int(block_ids.min()) <= int(block_ids.max()) < cache.shape[0]:
+            raise ValueError(f"block ids must lie in the cache's {cache.shape[0]} blocks")
+        out = torch.empty(block_ids.numel(), block_size, num_kv_heads, head_dim, dtype=dtype)
+        status = self._functions[dtype](cache.data_ptr(), cache.shape[1], block_ids.data_ptr(), block_ids.numel(),
+                                        half, block_size, num_kv_heads, head_dim, out.data_ptr())
+        if status:  # head_dim is checked above
+            raise RuntimeError(f"dequantize_kv_int8 returned status {status}")
+        return out

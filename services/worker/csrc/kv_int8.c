@@ -1,5 +1,5 @@
 /* This step's keys and values written into an int8 KV cache (attention/int8_kv_cache.py has the
- * layout): each (token, KV head) row of head_dim values becomes head_dim int8 in [-127, 127] and a
+ * layout), and blocks of it read back dense for prefill attention (at the end): each (token, KV head) row of head_dim values becomes head_dim int8 in [-127, 127] and a
  * float32 scale, amax / 127, by the row rule of int8_quant.h (shared with W8A8's activations). The
  * PyTorch reference (`quantize_int8_rows`) does the same operations in the same order, so the two
  * agree bit for bit.
@@ -17,6 +17,10 @@
 
 #include "int8_quant.h"
 #include "vec.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #define MAX_HEAD_DIM 256
 #define MIN_PARALLEL_TOKENS 64 /* below this a decode step's few rows cost less than waking threads */
@@ -60,3 +64,56 @@
 
 DEFINE_WRITE(f32, float)
 DEFINE_WRITE(bf16, uint16_t)
+
+/* Blocks block_ids[0..n) of one half of the int8 cache (half 0 keys, 1 values: their layouts
+ * above) as dense rows out [n, block_size, num_kv_heads, head_dim], float32 or bfloat16 (raw
+ * uint16), for prefill attention: each element q * scale in float32, then rounded to bfloat16
+ * (nearest even), as PyTorch's `(q.float() * scale).to(dtype)` (`dequantize_blocks`) computes it,
+ * so the two agree bit for bit. */
+#define DEFINE_DEQUANTIZE(SUFFIX, T, STORE8, STORE1)                                                   \
+  int dequantize_kv_int8_##SUFFIX(const int8_t *cache, int64_t block_bytes, const int64_t *block_ids,    \
+                                  int64_t n, int half, int block_size, int num_kv_heads, int head_dim,   \
+                                  T *out) {                                                             \
+    if (head_dim <= 0 || head_dim > MAX_HEAD_DIM || head_dim % 4) return 1;                            \
+    const int64_t data_bytes = (int64_t)block_size * num_kv_heads * head_dim;                           \
+    const int64_t num_items = n * num_kv_heads;                                                         \
+    _Pragma("omp parallel for schedule(static) if(n * block_size >= MIN_PARALLEL_TOKENS)")             \
+    for (int64_t item = 0; item < num_items; item++) {                                                  \
+      const int64_t i = item / num_kv_heads;                                                            \
+      const int h = (int)(item % num_kv_heads);                                                         \
+      const int8_t *block = cache + block_ids[i] * block_bytes;                                         \
+      const int8_t *scales = block + data_bytes + 4 * (int64_t)h * block_size;                          \
+      for (int o = 0; o < block_size; o++) {                                                            \
+        int8_t row[MAX_HEAD_DIM];                                                                       \
+        if (half == 0) {                                                                                \
+          const int8_t *fours = block + (int64_t)h * head_dim * block_size + 4 * o;                     \
+          for (int p = 0; p < head_dim / 4; p++) memcpy(row + 4 * p, fours + (int64_t)p * 4 * block_size, 4); \
+        } else {                                                                                        \
+          memcpy(row, block + ((int64_t)o * num_kv_heads + h) * head_dim, (size_t)head_dim);            \
+        }                                                                                               \
+        float scale;                                                                                    \
+        memcpy(&scale, scales + 4 * o, sizeof scale);                                                   \
+        T *dst = out + ((i * block_size + o) * num_kv_heads + h) * head_dim;                            \
+        int d = 0;                                                                                      \
+        for (; d + 8 <= head_dim; d += 8) STORE8(dst + d, widen_int8x8(row + d) * scale);               \
+        for (; d < head_dim; d++) dst[d] = STORE1((float)row[d] * scale);                               \
+      }                                                                                                 \
+    }                                                                                                   \
+    return 0;                                                                                           \
+  }
+
+/* 8 int8 as float32 (GCC turns a vector int8 -> float conversion into scalar code). */
+static inline v8f widen_int8x8(const int8_t *p) {
+#if defined(__AVX2__)
+  return (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+  v8f v;
+  for (int i = 0; i < 8; i++) v[i] = (float)p[i];
+  return v;
+#endif
+}
+
+static inline float identity_f32(float x) { return x; }
+
+DEFINE_DEQUANTIZE(f32, float, store_f32, identity_f32)
+DEFINE_DEQUANTIZE(bf16, uint16_t, store_bf16, f32_to_bf16)

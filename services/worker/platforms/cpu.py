@@ -28,7 +28,7 @@ from services.worker.attention.cpu_decode import PagedDecodeKernel
 from services.worker.attention.cpu_decode_int8 import PagedDecodeInt8Kernel
 from services.worker.attention.cpu_int8_backend import Int8CacheCpuBackend
 from services.worker.attention.cpu_prefill import PagedPrefillKernel
-from services.worker.attention.int8_kv_cache import Int8KVWriter
+from services.worker.attention.int8_kv_cache import Int8KVDequantizer, Int8KVWriter
 from services.worker.attention.torch_backend import TorchAttentionBackend
 from services.worker.config import (INT8_WEIGHT_QUANTIZATIONS, RunnerConfig, WorkerConfig, cpu_has_amx_bf16,
                                      cpu_has_amx_int8, cpu_has_int8_dot, cpu_has_native_bf16)
@@ -172,8 +172,8 @@ def _backend_and_ops(kernels: ctypes.CDLL | None, dtype: torch.dtype, heads: Att
         if not int8_kernel.supports(heads.head_dim, heads.num_heads, heads.num_kv_heads):
             raise ValueError(f"--kv-cache-dtype int8: the int8 decode kernel does not serve {heads}; use "
                              "--kv-cache-dtype auto")
-        return Int8CacheCpuBackend(int8_kernel, Int8KVWriter(kernels), heads.num_kv_heads, heads.head_dim,
-                                   prefill_kernel), layer_ops
+        return Int8CacheCpuBackend(int8_kernel, Int8KVWriter(kernels), Int8KVDequantizer(kernels),
+                                   heads.num_kv_heads, heads.head_dim, prefill_kernel), layer_ops
     kernel = PagedDecodeKernel(kernels)
     if not kernel.supports(dtype, heads.head_dim, heads.num_heads, heads.num_kv_heads):
         logger.info("no compiled decode kernel for %s, %s: PyTorch decode attention", dtype, heads)
