@@ -18,6 +18,10 @@
 #include "decode_common.h"
 #include "int8_bf16.h"
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 /* Blocks prefetched ahead of the one being read: a head's keys are head_dim * block_size
  * contiguous bytes in each block, but the blocks lie anywhere in the cache. */
 #define KEY_PREFETCH_BLOCKS 4
@@ -42,40 +46,85 @@ static inline __attribute__((always_inline)) void prefetch_key_blocks(const Head
   }
 }
 
-/* Any CPU: float32 query against the keys widened to float32, up to 8 tokens of a block at a
- * time (blocks of any size). */
-static inline void key_scores_generic(const float *q, const HeadKeys *keys, const int64_t *blocks, int64_t seq_len,
-                                      float scale, float *scores, int64_t padded, int group, int head_dim,
-                                      float *max_score) {
+/* 8 int8 as float32 (GCC turns a vector int8 -> float conversion into scalar code). */
+static inline v8f load_int8(const int8_t *p) {
+#if defined(__AVX2__)
+  return (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+  v8f v;
+  for (int i = 0; i < 8; i++) v[i] = (float)p[i];
+  return v;
+#endif
+}
+
+/* Any CPU (blocks of any size): float32 query against the keys widened to float32, 4 tokens of a
+ * block at a time. Two tokens' fours widen into one vector of 8 and multiply a vector holding the
+ * query's four twice, so each lane sums one (token, dimension mod 4) over the row; the 4 lanes of a
+ * token are added once at the end. Reads past the block's last token stay inside the block (the
+ * next four's keys, or the scales) and are not stored. With the group a constant (below) the sums
+ * stay in registers. */
+static inline __attribute__((always_inline)) void key_scores_float_impl(const float *q, const HeadKeys *keys,
+                                                                        const int64_t *blocks, int64_t seq_len,
+                                                                        float scale, float *scores, int64_t padded,
+                                                                        const int group, int head_dim,
+                                                                        float *max_score) {
   const int bs = keys->block_size;
   const int64_t num_blocks = (seq_len + bs - 1) / bs;
-  for (int g = 0; g < group; g++) max_score[g] = -INFINITY;
+  v8f twice[MAX_GROUP][MAX_HEAD_DIM / 4]; /* query g's four p in lanes 0-3 and again in 4-7 */
+  for (int g = 0; g < group; g++) {
+    max_score[g] = -INFINITY;
+    for (int p = 0; p < head_dim / 4; p++)
+      for (int l = 0; l < 8; l++) twice[g][p][l] = q[g * head_dim + 4 * p + l % 4];
+  }
   for (int64_t b = 0; b < num_blocks; b++) {
     prefetch_key_blocks(keys, blocks, b, num_blocks, head_dim);
     const int8_t *base = keys->data + blocks[b] * keys->block_bytes;
     const int8_t *scale_bytes = keys->scales + blocks[b] * keys->block_bytes;
     const int64_t t0 = b * bs;
     const int n = seq_len - t0 < bs ? (int)(seq_len - t0) : bs;
-    for (int o0 = 0; o0 < n; o0 += 8) {
-      const int m = n - o0 < 8 ? n - o0 : 8;
-      float row_scales[8];
+    for (int o0 = 0; o0 < n; o0 += 4) {
+      const int m = n - o0 < 4 ? n - o0 : 4;
+      v8f sums[MAX_GROUP][2];
+      for (int g = 0; g < group; g++) sums[g][0] = sums[g][1] = (v8f){0};
+      for (int p = 0; p < head_dim / 4; p++) {
+        const int8_t *r = base + (int64_t)p * 4 * bs + 4 * o0;
+        const v8f k01 = load_int8(r), k23 = load_int8(r + 8); /* tokens o0, o0+1 and o0+2, o0+3 */
+        for (int g = 0; g < group; g++) sums[g][0] += twice[g][p] * k01, sums[g][1] += twice[g][p] * k23;
+      }
+      float row_scales[4];
       memcpy(row_scales, scale_bytes + 4 * o0, sizeof(float) * m);
       for (int g = 0; g < group; g++) {
-        const float *qg = q + g * head_dim;
-        float acc[8] = {0};
-        for (int p = 0; p < head_dim / 4; p++) {
-          const int8_t *r = base + (int64_t)p * 4 * bs + 4 * o0;
-          for (int t = 0; t < m; t++)
-            acc[t] += qg[4 * p] * r[4 * t] + qg[4 * p + 1] * r[4 * t + 1] + qg[4 * p + 2] * r[4 * t + 2] +
-                      qg[4 * p + 3] * r[4 * t + 3];
-        }
+        const v8f a = __builtin_shufflevector(sums[g][0], sums[g][1], 0, 2, 4, 6, 8, 10, 12, 14) +
+                      __builtin_shufflevector(sums[g][0], sums[g][1], 1, 3, 5, 7, 9, 11, 13, 15);
+        const v8f dot = __builtin_shufflevector(a, a, 0, 2, 4, 6, 0, 2, 4, 6) +
+                        __builtin_shufflevector(a, a, 1, 3, 5, 7, 1, 3, 5, 7); /* lanes 0-3: the 4 tokens */
         for (int t = 0; t < m; t++) {
-          const float s = acc[t] * (row_scales[t] * scale);
+          const float s = dot[t] * (row_scales[t] * scale);
           scores[g * padded + t0 + o0 + t] = s;
           max_score[g] = s > max_score[g] || s != s ? s : max_score[g];
         }
       }
     }
+  }
+}
+
+#define KEY_SCORES_FLOAT_GROUP(G)                                                                    \
+  case G:                                                                                          \
+    key_scores_float_impl(q, keys, blocks, seq_len, scale, scores, padded, G, head_dim, max_score); \
+    return;
+static void key_scores_float(const float *q, const HeadKeys *keys, const int64_t *blocks, int64_t seq_len,
+                             float scale, float *scores, int64_t padded, int group, int head_dim, float *max_score) {
+  switch (group) {
+    KEY_SCORES_FLOAT_GROUP(1)
+    KEY_SCORES_FLOAT_GROUP(2)
+    KEY_SCORES_FLOAT_GROUP(3)
+    KEY_SCORES_FLOAT_GROUP(4)
+    KEY_SCORES_FLOAT_GROUP(5)
+    KEY_SCORES_FLOAT_GROUP(6)
+    KEY_SCORES_FLOAT_GROUP(7)
+    KEY_SCORES_FLOAT_GROUP(8)
+    default:
+      key_scores_float_impl(q, keys, blocks, seq_len, scale, scores, padded, group, head_dim, max_score);
   }
 }
 
@@ -190,7 +239,7 @@ static inline void key_scores(const float *q, const HeadKeys *keys, const int64_
     return;
   }
 #endif
-  key_scores_generic(q, keys, blocks, seq_len, scale, scores, padded, group, head_dim, max_score);
+  key_scores_float(q, keys, blocks, seq_len, scale, scores, padded, group, head_dim, max_score);
 }
 
 #endif

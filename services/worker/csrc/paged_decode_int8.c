@@ -114,17 +114,6 @@ static inline __attribute__((always_inline)) void chunk_rows(const HeadRows *h, 
   }
 }
 
-/* 8 int8 as float32 (GCC turns a vector int8 -> float conversion into scalar code). */
-static inline v8f load_int8(const int8_t *p) {
-#if defined(__AVX2__)
-  return (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-#else
-  v8f v;
-  for (int i = 0; i < 8; i++) v[i] = (float)p[i];
-  return v;
-#endif
-}
-
 /* The chunk's rows widened to float32 into buf [CHUNK, head_dim]. */
 static inline __attribute__((always_inline)) void widen_rows(const int8_t *rows[CHUNK], int lanes, float *buf) {
   for (int j = 0; j < CHUNK; j++)
@@ -236,7 +225,10 @@ static inline __attribute__((always_inline)) void decode_group(const float *q, c
   const int fast_values = VALUE_SUMS_FAST(values, blocks, seq_len, scratch, padded, group, head_dim, acc);
   for (int64_t t0 = 0; !fast_values && t0 < seq_len; t0 += CHUNK) {
     const int64_t n = seq_len - t0 < CHUNK ? seq_len - t0 : CHUNK;
-    head_rows(values, blocks, t0, seq_len, head_dim, rows, row_scales);
+    if (values->block_size % CHUNK == 0)
+      chunk_rows(values, blocks, t0, seq_len, head_dim, rows, row_scales);
+    else
+      head_rows(values, blocks, t0, seq_len, head_dim, rows, row_scales);
     widen_rows(rows, lanes, buf);
     for (int g = 0; g < group; g++) {
       const float *p = scratch + g * padded + t0;
