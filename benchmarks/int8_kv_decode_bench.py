@@ -137,9 +137,10 @@ def main() -> None:
               f"int8 {row['int8_speedup']:.2f}x; max diff {row['max_diff_int8_vs_bf16']:.1e}", flush=True)
     out = Path(args.out)
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"march": args.march, "from_cache": args.from_cache, "heads": [num_heads, num_kv_heads, head_dim],
-                               "block_size": args.block_size, "torch_threads": torch.get_num_threads(),
-                               "int8_bf16_dot": int8_kernel.has_bf16_dot, "rows": rows}, indent=2))
+    out.write_text(json.dumps({"march": args.march, "from_cache": args.from_cache,
+                               "heads": [num_heads, num_kv_heads, head_dim], "block_size": args.block_size,
+                               "torch_threads": torch.get_num_threads(), "int8_bf16_dot": int8_kernel.has_bf16_dot,
+                               "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

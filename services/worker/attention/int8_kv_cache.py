@@ -73,15 +73,21 @@ def dequantize_blocks(cache: torch.Tensor, half: int, block_ids: torch.Tensor, b
     return (data.to(torch.float32).flatten(-2) * scales[..., None]).to(dtype).contiguous()
 
 
+def _bind_per_dtype(library: ctypes.CDLL, prefix: str, argtypes: list) -> dict:
+    """The library's `<prefix>_f32` and `<prefix>_bf16`, typed, by the torch dtype they serve."""
+    functions = {}
+    for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
+        function = getattr(library, f"{prefix}_{suffix}")
+        function.argtypes, function.restype = argtypes, ctypes.c_int
+        functions[dtype] = function
+    return functions
+
+
 class Int8KVWriter:
     """The compiled writer (csrc/kv_int8.c) of a step's keys and values into the int8 cache."""
 
     def __init__(self, library: ctypes.CDLL):
-        self._functions = {}
-        for dtype, name in ((torch.float32, "write_kv_int8_f32"), (torch.bfloat16, "write_kv_int8_bf16")):
-            function = getattr(library, name)
-            function.argtypes, function.restype = _WRITE_ARGTYPES, ctypes.c_int
-            self._functions[dtype] = function
+        self._functions = _bind_per_dtype(library, "write_kv_int8", _WRITE_ARGTYPES)
 
     def __call__(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                  block_size: int) -> None:
@@ -92,7 +98,8 @@ class Int8KVWriter:
             raise ValueError(f"int8 KV writer takes float32 or bfloat16 key and value of one shape, not "
                              f"{key.dtype} {tuple(key.shape)} and {value.dtype} {tuple(value.shape)}")
         if not 0 < head_dim <= MAX_HEAD_DIM or head_dim % KEY_GROUP:
-            raise ValueError(f"int8 KV cache: head_dim {head_dim} is not a multiple of {KEY_GROUP} up to {MAX_HEAD_DIM}")
+            raise ValueError(f"int8 KV cache: head_dim {head_dim} is not a multiple of {KEY_GROUP} "
+                             f"up to {MAX_HEAD_DIM}")
         for name, x in (("key", key), ("value", value)):
             if x.stride(2) != 1 or x.stride(1) != head_dim:
                 raise ValueError(f"{name} heads must be contiguous rows of {head_dim}, strides are {x.stride()}")
@@ -116,11 +123,7 @@ class Int8KVDequantizer:
     where `dequantize_blocks` takes five; the same values bit for bit."""
 
     def __init__(self, library: ctypes.CDLL):
-        self._functions = {}
-        for dtype, name in ((torch.float32, "dequantize_kv_int8_f32"), (torch.bfloat16, "dequantize_kv_int8_bf16")):
-            function = getattr(library, name)
-            function.argtypes, function.restype = _DEQUANTIZE_ARGTYPES, ctypes.c_int
-            self._functions[dtype] = function
+        self._functions = _bind_per_dtype(library, "dequantize_kv_int8", _DEQUANTIZE_ARGTYPES)
 
     def __call__(self, cache: torch.Tensor, half: int, block_ids: torch.Tensor, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype) -> torch.Tensor:

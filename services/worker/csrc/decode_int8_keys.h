@@ -18,10 +18,6 @@
 #include "decode_common.h"
 #include "int8_bf16.h"
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
 /* Blocks prefetched ahead of the one being read: a head's keys are head_dim * block_size
  * contiguous bytes in each block, but the blocks lie anywhere in the cache. */
 #define KEY_PREFETCH_BLOCKS 4
@@ -44,17 +40,6 @@ static inline __attribute__((always_inline)) void prefetch_key_blocks(const Head
     for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(k->data + base + line, 0, 1);
     __builtin_prefetch(k->scales + base, 0, 1);
   }
-}
-
-/* 8 int8 as float32 (GCC turns a vector int8 -> float conversion into scalar code). */
-static inline v8f load_int8(const int8_t *p) {
-#if defined(__AVX2__)
-  return (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-#else
-  v8f v;
-  for (int i = 0; i < 8; i++) v[i] = (float)p[i];
-  return v;
-#endif
 }
 
 /* Any CPU (blocks of any size): float32 query against the keys widened to float32, 4 tokens of a
@@ -204,7 +189,8 @@ static inline __attribute__((always_inline)) void key_scores_int8_impl(const flo
           hi[p % KEY_SUMS] = _mm512_dpbusd_epi32(hi[p % KEY_SUMS], k[p], _mm512_set1_epi32(high[g][p]));
           lo[p % KEY_SUMS] = _mm512_dpbusd_epi32(lo[p % KEY_SUMS], k[p], _mm512_set1_epi32(low[g][p]));
         }
-        for (int a = 1; a < KEY_SUMS; a++) hi[0] = _mm512_add_epi32(hi[0], hi[a]), lo[0] = _mm512_add_epi32(lo[0], lo[a]);
+        for (int a = 1; a < KEY_SUMS; a++)
+          hi[0] = _mm512_add_epi32(hi[0], hi[a]), lo[0] = _mm512_add_epi32(lo[0], lo[a]);
         const __m512i dot_int = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(hi[0], 7), lo[0]),
                                                  _mm512_set1_epi32(offset[g]));
         const __m512 dot = _mm512_cvtepi32_ps(dot_int);
@@ -218,7 +204,8 @@ static inline __attribute__((always_inline)) void key_scores_int8_impl(const flo
     float lanes[16];
     _mm512_storeu_ps(lanes, max16[g]);
     max_score[g] = lanes[0];
-    for (int l = 1; l < 16; l++) max_score[g] = lanes[l] > max_score[g] || lanes[l] != lanes[l] ? lanes[l] : max_score[g];
+    for (int l = 1; l < 16; l++)
+      max_score[g] = lanes[l] > max_score[g] || lanes[l] != lanes[l] ? lanes[l] : max_score[g];
   }
 }
 #define HAS_INT8_KEY_DOT 1

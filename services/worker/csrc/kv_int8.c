@@ -1,8 +1,8 @@
 /* This step's keys and values written into an int8 KV cache (attention/int8_kv_cache.py has the
- * layout), and blocks of it read back dense for prefill attention (at the end): each (token, KV head) row of head_dim values becomes head_dim int8 in [-127, 127] and a
- * float32 scale, amax / 127, by the row rule of int8_quant.h (shared with W8A8's activations). The
- * PyTorch reference (`quantize_int8_rows`) does the same operations in the same order, so the two
- * agree bit for bit.
+ * layout), and blocks of it read back dense for prefill attention (at the end): each (token, KV
+ * head) row of head_dim values becomes head_dim int8 in [-127, 127] and a float32 scale, amax /
+ * 127, by the row rule of int8_quant.h (shared with W8A8's activations). The PyTorch reference
+ * (`quantize_int8_rows`) does the same operations in the same order, so the two agree bit for bit.
  *
  * key and value [num_tokens, num_kv_heads, head_dim] rows `*_stride` elements apart (views of the
  * fused QKV projection), float32 or bfloat16 (raw uint16); slots [num_tokens] int64, -1 skips a
@@ -18,12 +18,13 @@
 #include "int8_quant.h"
 #include "vec.h"
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
 #define MAX_HEAD_DIM 256
 #define MIN_PARALLEL_TOKENS 64 /* below this a decode step's few rows cost less than waking threads */
+
+/* Key row (h, token slot o) of a block: its four p lies at the returned offset + 4 * block_size * p. */
+static inline int64_t key_fours_offset(int h, int64_t o, int head_dim, int block_size) {
+  return (int64_t)h * head_dim * block_size + 4 * o;
+}
 
 /* A row quantized by the shared rule, its float32 scale stored at unaligned `scale_bytes`. */
 #define QUANTIZE_INTO_BLOCK(SUFFIX, x, head_dim, q, scale_bytes) \
@@ -53,7 +54,7 @@
         int8_t row[MAX_HEAD_DIM];                                                                     \
         QUANTIZE_INTO_BLOCK(SUFFIX, key + t * key_stride + (int64_t)h * head_dim, head_dim, row,      \
                             kb + scale_offset);                                                       \
-        int8_t *fours = kb + (int64_t)h * head_dim * block_size + 4 * offset;                         \
+        int8_t *fours = kb + key_fours_offset(h, offset, head_dim, block_size);                       \
         for (int p = 0; p < head_dim / 4; p++) memcpy(fours + (int64_t)p * 4 * block_size, row + 4 * p, 4); \
         QUANTIZE_INTO_BLOCK(SUFFIX, value + t * value_stride + (int64_t)h * head_dim, head_dim,       \
                             vb + (offset * num_kv_heads + h) * head_dim, vb + scale_offset);          \
@@ -86,7 +87,7 @@ DEFINE_WRITE(bf16, uint16_t)
       for (int o = 0; o < block_size; o++) {                                                            \
         int8_t row[MAX_HEAD_DIM];                                                                       \
         if (half == 0) {                                                                                \
-          const int8_t *fours = block + (int64_t)h * head_dim * block_size + 4 * o;                     \
+          const int8_t *fours = block + key_fours_offset(h, o, head_dim, block_size);                   \
           for (int p = 0; p < head_dim / 4; p++) memcpy(row + 4 * p, fours + (int64_t)p * 4 * block_size, 4); \
         } else {                                                                                        \
           memcpy(row, block + ((int64_t)o * num_kv_heads + h) * head_dim, (size_t)head_dim);            \
@@ -95,23 +96,12 @@ DEFINE_WRITE(bf16, uint16_t)
         memcpy(&scale, scales + 4 * o, sizeof scale);                                                   \
         T *dst = out + ((i * block_size + o) * num_kv_heads + h) * head_dim;                            \
         int d = 0;                                                                                      \
-        for (; d + 8 <= head_dim; d += 8) STORE8(dst + d, widen_int8x8(row + d) * scale);               \
+        for (; d + 8 <= head_dim; d += 8) STORE8(dst + d, load_int8(row + d) * scale);               \
         for (; d < head_dim; d++) dst[d] = STORE1((float)row[d] * scale);                               \
       }                                                                                                 \
     }                                                                                                   \
     return 0;                                                                                           \
   }
-
-/* 8 int8 as float32 (GCC turns a vector int8 -> float conversion into scalar code). */
-static inline v8f widen_int8x8(const int8_t *p) {
-#if defined(__AVX2__)
-  return (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-#else
-  v8f v;
-  for (int i = 0; i < 8; i++) v[i] = (float)p[i];
-  return v;
-#endif
-}
 
 static inline float identity_f32(float x) { return x; }
 

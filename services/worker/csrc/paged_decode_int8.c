@@ -57,14 +57,14 @@ typedef struct {
   int block_size;
 } HeadRows;
 
-/* Rows t0 .. t0+n of one KV head: their data and scales; rows past n repeat row t0 (its scale
- * too), so the loops over a chunk never branch. As in paged_decode.c the block walk steps one row
- * at a time (a division per row cost as much as the row's arithmetic). The rows and scales
- * PREFETCH_CHUNKS chunks ahead are prefetched (at the first chunk, every chunk up to there): rows
- * a chunk apart lie farther apart than the hardware prefetchers follow. */
-static inline __attribute__((always_inline)) void head_rows(const HeadRows *h, const int64_t *blocks, int64_t t0,
-                                                            int64_t seq_len, int head_dim,
-                                                            const int8_t *rows[CHUNK], float scales[CHUNK]) {
+/* Rows t0 .. t0+n of one KV head, for blocks of any size: their data and scales; rows past n
+ * repeat row t0 (its scale too), so the loops over a chunk never branch. As in paged_decode.c the
+ * block walk steps one row at a time (a division per row cost as much as the row's arithmetic).
+ * The rows and scales PREFETCH_CHUNKS chunks ahead are prefetched (at the first chunk, every chunk
+ * up to there): rows a chunk apart lie farther apart than the hardware prefetchers follow. */
+static inline __attribute__((always_inline)) void scattered_rows(const HeadRows *h, const int64_t *blocks,
+                                                                 int64_t t0, int64_t seq_len, int head_dim,
+                                                                 const int8_t *rows[CHUNK], float scales[CHUNK]) {
   const int64_t n = seq_len - t0 < CHUNK ? seq_len - t0 : CHUNK;
   int64_t block = t0 / h->block_size, offset = t0 % h->block_size;
   for (int j = 0; j < CHUNK; j++) {
@@ -92,7 +92,7 @@ static inline __attribute__((always_inline)) void head_rows(const HeadRows *h, c
   }
 }
 
-/* head_rows where a chunk lies in one block (blocks of a multiple of CHUNK tokens): its rows a
+/* scattered_rows where a chunk lies in one block (blocks of a multiple of CHUNK tokens): its rows a
  * fixed stride apart, its scales one vector; the rows and scales of the block VALUE_PREFETCH_BLOCKS
  * ahead prefetched at each block's first chunk (at the first, every block up to there). */
 #define VALUE_PREFETCH_BLOCKS 4
@@ -109,9 +109,20 @@ static inline __attribute__((always_inline)) void chunk_rows(const HeadRows *h, 
   for (int64_t a = b == 0 ? 1 : b + VALUE_PREFETCH_BLOCKS; a <= b + VALUE_PREFETCH_BLOCKS && a < num_blocks; a++) {
     const int64_t ahead = blocks[a] * h->block_bytes;
     for (int j = 0; j < bs; j++)
-      for (int c = 0; c < head_dim; c += 64) __builtin_prefetch(h->data + ahead + j * h->row_bytes + c, 0, PREFETCH_LOCALITY);
+      for (int c = 0; c < head_dim; c += 64)
+        __builtin_prefetch(h->data + ahead + j * h->row_bytes + c, 0, PREFETCH_LOCALITY);
     for (int c = 0; c < 4 * bs; c += 64) __builtin_prefetch(h->scales + ahead + c, 0, PREFETCH_LOCALITY);
   }
+}
+
+/* A chunk's value rows and scales (rows past the sequence repeat one of the chunk's rows). */
+static inline __attribute__((always_inline)) void head_rows(const HeadRows *h, const int64_t *blocks, int64_t t0,
+                                                            int64_t seq_len, int head_dim,
+                                                            const int8_t *rows[CHUNK], float scales[CHUNK]) {
+  if (h->block_size % CHUNK == 0)
+    chunk_rows(h, blocks, t0, seq_len, head_dim, rows, scales);
+  else
+    scattered_rows(h, blocks, t0, seq_len, head_dim, rows, scales);
 }
 
 /* The chunk's rows widened to float32 into buf [CHUNK, head_dim]. */
@@ -140,13 +151,9 @@ static inline __attribute__((always_inline)) void value_sums_impl(const HeadRows
     for (int v = 0; v < num_vectors; v++) sums[g][v] = _mm512_setzero_ps();
   const int8_t *rows[CHUNK];
   float row_scales[CHUNK];
-  const int whole_chunks = values->block_size % CHUNK == 0;
   for (int64_t t0 = 0; t0 < seq_len; t0 += CHUNK) {
     const int64_t n = seq_len - t0 < CHUNK ? seq_len - t0 : CHUNK;
-    if (whole_chunks)
-      chunk_rows(values, blocks, t0, seq_len, head_dim, rows, row_scales);
-    else
-      head_rows(values, blocks, t0, seq_len, head_dim, rows, row_scales);
+    head_rows(values, blocks, t0, seq_len, head_dim, rows, row_scales);
     uint32_t weights[MAX_GROUP][CHUNK / 2]; /* bfloat16 pairs (p_j v_scale_j, p_j+1 v_scale_j+1) */
     for (int g = 0; g < group; g++) {
       v8f w = load_f32(probs + g * padded + t0) * load_f32(row_scales);
@@ -225,10 +232,7 @@ static inline __attribute__((always_inline)) void decode_group(const float *q, c
   const int fast_values = VALUE_SUMS_FAST(values, blocks, seq_len, scratch, padded, group, head_dim, acc);
   for (int64_t t0 = 0; !fast_values && t0 < seq_len; t0 += CHUNK) {
     const int64_t n = seq_len - t0 < CHUNK ? seq_len - t0 : CHUNK;
-    if (values->block_size % CHUNK == 0)
-      chunk_rows(values, blocks, t0, seq_len, head_dim, rows, row_scales);
-    else
-      head_rows(values, blocks, t0, seq_len, head_dim, rows, row_scales);
+    head_rows(values, blocks, t0, seq_len, head_dim, rows, row_scales);
     widen_rows(rows, lanes, buf);
     for (int g = 0; g < group; g++) {
       const float *p = scratch + g * padded + t0;

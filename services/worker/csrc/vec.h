@@ -145,6 +145,21 @@ static inline v16f load_f3216(const float *p) {
 
 static inline void store_f3216(float *p, v16f v) { memcpy(p, &v, sizeof v); }
 
+/* 8 int8 as float32: one widening where the build has AVX2 (GCC turns a vector int8 -> float
+ * conversion into scalar code). */
+#if defined(__AVX2__)
+#include <immintrin.h>
+static inline v8f load_int8(const int8_t *p) {
+  return (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+#else
+static inline v8f load_int8(const int8_t *p) {
+  v8f v;
+  for (int i = 0; i < 8; i++) v[i] = (float)p[i];
+  return v;
+}
+#endif
+
 static inline v8f identity(v8f v) { return v; }
 static inline v16f identity16(v16f v) { return v; }
 
