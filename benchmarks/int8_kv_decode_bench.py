@@ -11,7 +11,7 @@ bfloat16 queries, block tables scattered over the cache as in a long-running ser
 reads the next of several layers' caches, at least MIN_CYCLE_BYTES of them together, so the cache
 comes from memory as in a decode step over 30 layers, not from the last-level cache. Prints
 milliseconds per call (median of REPEATS timed passes over the layers) and the cache bytes read
-per second (keys and values; the int8 cache's scales included), and the largest difference of the
+per second (keys and values; the int8 cache's scales and midpoints included), and the largest difference of the
 int8 kernel's output from the bfloat16 kernel's on the same keys and values (dequantized, then
 rounded to bfloat16): quantization error, not the kernel's. `--only` times one kernel alone (the
 other's figures and the difference are then left out); `--from-cache` cycles over two layers'
@@ -30,7 +30,7 @@ import torch
 
 from services.worker.attention.cpu_decode import PagedDecodeKernel
 from services.worker.attention.cpu_decode_int8 import PagedDecodeInt8Kernel
-from services.worker.attention.int8_kv_cache import int8_block_bytes, quantize_int8_rows, split_int8_cache
+from services.worker.attention.int8_kv_cache import int8_block_bytes, quantize_kv_rows, split_int8_cache
 from services.worker.cpu_kernels import load_cpu_kernels
 
 MIN_CYCLE_BYTES = 256 << 20  # several times a last-level cache
@@ -41,13 +41,14 @@ def _caches(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, 
     """One layer's int8 cache [2, num_blocks, block_bytes] and the same values as a bfloat16 cache
     [2, num_blocks, block_size, H_kv, D]."""
     x = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
-    q, scales = quantize_int8_rows(x)
+    q, scales, mids = quantize_kv_rows(x)
     int8_cache = torch.empty(2, num_blocks, int8_block_bytes(block_size, num_kv_heads, head_dim), dtype=torch.int8)
     for half in range(2):
-        data, half_scales = split_int8_cache(int8_cache[half], half, block_size, num_kv_heads, head_dim)
+        data, half_scales, half_mids = split_int8_cache(int8_cache[half], half, block_size, num_kv_heads, head_dim)
         data.copy_(q[half].unflatten(-1, (head_dim // 4, 4)))
         half_scales.copy_(scales[half])
-    bf16_cache = (q.float() * scales[..., None]).to(torch.bfloat16)
+        half_mids.copy_(mids[half])
+    bf16_cache = (q.float() * scales[..., None] + mids[..., None]).to(torch.bfloat16)
     return int8_cache, bf16_cache
 
 

@@ -30,7 +30,7 @@ class KVCacheLayout:
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes one block takes across all layers, keys and values (int8: with their scales)."""
+        """Bytes one block takes across all layers, keys and values (int8: with their scales and midpoints)."""
         if self.kv_cache_dtype == "int8":
             row_bytes = int8_row_bytes(self.head_dim)
         else:

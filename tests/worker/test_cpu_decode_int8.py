@@ -1,10 +1,11 @@
 """The compiled int8-KV-cache decode kernel (csrc/paged_decode_int8.c), built for this CPU and as
 the portable x86-64-v3 library, against a dense float64 attention on the dequantized cache
-(tests/oracles.py); the PyTorch quantizer it is fed by (attention/int8_kv_cache.py), exactly; and
+(tests/oracles.py); the symmetric PyTorch quantizer of W8A8's activations (attention/
+int8_kv_cache.py; the cache's own centered rule is tested in test_int8_kv_cache.py), exactly; and
 the wrapper's argument checks.
 
 The caches are written by this module's own loop, token by token through random block tables;
-every slot no request owns holds random int8 rows and scales, so reading a wrong block or past a
+every slot no request owns holds random int8 rows, scales and midpoints, so reading a wrong block or past a
 sequence's end shows."""
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from services.worker.attention.cpu_decode_int8 import PagedDecodeInt8Kernel
-from services.worker.attention.int8_kv_cache import quantize_int8_rows, split_int8_cache
+from services.worker.attention.int8_kv_cache import int8_block_bytes, quantize_int8_rows, quantize_kv_rows, split_int8_cache
 from tests.oracles import dense_attention
 from tests.worker.kernel_builds import MARCHES, library_for
 
@@ -40,21 +41,23 @@ def kernel(request, kernel_cache) -> PagedDecodeInt8Kernel:
 
 
 def _random_rows(half: int, num_tokens: int, num_kv_heads: int, head_dim: int, gen: torch.Generator) -> torch.Tensor:
-    """Keys or values of unequal range (so the scales differ), one row all zeros (scale 0)."""
+    """Keys or values of unequal range and centre (so the scales and midpoints differ), one row all
+    zeros (scale 0)."""
     x = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
     x *= torch.rand(num_tokens, num_kv_heads, 1, generator=gen) * 1.5 + 0.05
+    x += torch.randn(num_tokens, num_kv_heads, 1, generator=gen)
     x[num_tokens // 2, 0] = 0
     return x
 
 
 def _uniform_rows(half: int, num_tokens: int, num_kv_heads: int, head_dim: int, gen: torch.Generator) -> torch.Tensor:
     """Zero keys, so every score is 0 and every probability exactly 1, and values whose scales are
-    powers of two, exact in bfloat16: the output is the mean of the values up to float32 sums, on
-    the VDPBF16PS passes too."""
+    powers of two, exact in bfloat16, about a midpoint of 0: the output is the mean of the values
+    up to float32 sums, on the VDPBF16PS passes too."""
     if half == 0:
         return torch.zeros(num_tokens, num_kv_heads, head_dim)
     q = torch.randint(-127, 128, (num_tokens, num_kv_heads, head_dim), generator=gen).float()
-    q[..., 0] = 127  # amax = 127 * 2^-k: the quantizer gives back q and the scale 2^-k exactly
+    q[..., 0], q[..., 1] = 127, -127  # range +-127 * 2^-k: the quantizer gives back q, scale 2^-k, mid 0
     return q * 2.0 ** torch.randint(-6, 3, (num_tokens, num_kv_heads, 1), generator=gen).float()
 
 
@@ -68,24 +71,26 @@ def _make_decode(num_heads, num_kv_heads, head_dim, block_size, seq_lens, query_
     free = list(range(1, num_blocks))  # block 0 is the null block
     rng.shuffle(free)
     tables = [[free.pop() for _ in range(k)] for k in needed]
-    block_bytes = block_size * num_kv_heads * (head_dim + 4)
+    block_bytes = int8_block_bytes(block_size, num_kv_heads, head_dim)
     kv_cache = torch.randint(-127, 128, (2, num_blocks, block_bytes), generator=gen, dtype=torch.int8)
     views = [split_int8_cache(kv_cache[half], half, block_size, num_kv_heads, head_dim) for half in range(2)]
-    for data, scales in views:
-        scales.copy_(torch.rand(scales.shape, generator=gen))  # unowned slots: random rows, finite scales
-        data[0], scales[0] = 0, 0  # the null block
+    for data, scales, mids in views:  # unowned slots: random rows, finite scales and midpoints
+        scales.copy_(torch.rand(scales.shape, generator=gen))
+        mids.copy_(torch.randn(mids.shape, generator=gen))
+        data[0], scales[0], mids[0] = 0, 0, 0  # the null block
     query = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(query_dtype)
     scale = head_dim**-0.5
     expected = []
     for i, (n, blocks) in enumerate(zip(seq_lens, tables)):
         history = []
         for half in range(2):
-            q, s = quantize_int8_rows(rows(half, n, num_kv_heads, head_dim, gen))
-            data, scales = views[half]
+            q, s, m = quantize_kv_rows(rows(half, n, num_kv_heads, head_dim, gen))
+            data, scales, mids = views[half]
             for pos in range(n):
                 data[blocks[pos // block_size], pos % block_size] = q[pos].unflatten(-1, (head_dim // 4, 4))
                 scales[blocks[pos // block_size], pos % block_size] = s[pos]
-            history.append(q.double() * s.double()[..., None])
+                mids[blocks[pos // block_size], pos % block_size] = m[pos]
+            history.append(q.double() * s.double()[..., None] + m.double()[..., None])
         expected.append(dense_attention(query[i:i + 1], history[0], history[1], n - 1, scale))
     width = max(needed) + 2  # padded with the null block, as the runner does
     block_table = torch.tensor([b + [0] * (width - len(b)) for b in tables], dtype=torch.int64)
@@ -182,7 +187,7 @@ def test_argument_checks(kernel_cache):
         kernel(query, kv_cache[0], kv_cache[1], block_table, lens[:1], 20, scale, 16, 3, 64)
 
 
-# --- the PyTorch quantizer the cache is written with ------------------------------------------------
+# --- the symmetric PyTorch quantizer (W8A8's activations) ------------------------------------------
 
 
 def test_quantizer_rounds_half_to_even_in_float32():

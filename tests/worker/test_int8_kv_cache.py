@@ -14,7 +14,7 @@ from services.worker.attention.int8_kv_cache import (
     Int8KVWriter,
     dequantize_blocks,
     int8_block_bytes,
-    quantize_int8_rows,
+    quantize_kv_rows,
     split_int8_cache,
 )
 from services.worker.config import WorkerConfig, config_from_args
@@ -35,19 +35,26 @@ def _empty_cache(num_blocks, block_size, num_kv_heads, head_dim) -> torch.Tensor
                        dtype=torch.int8)
 
 
-def test_quantizer_rounds_half_to_even_clamps_and_gives_zero_rows_scale_zero():
-    x = torch.tensor([[[127.0, 0.5, 1.5, -2.5, -127.0, 63.5, 0.0, -0.4]], [[0.0] * 8]])
-    q, scale = quantize_int8_rows(x)
-    assert q.dtype == torch.int8 and scale.dtype == torch.float32
-    assert q[0, 0].tolist() == [127, 0, 2, -2, -127, 64, 0, 0]  # amax 127: scale 1, ties to even
-    assert scale[0, 0].item() == 1.0
-    assert q[1, 0].tolist() == [0] * 8 and scale[1, 0].item() == 0.0
-    rows = torch.randn(50, 3, 64) * torch.logspace(-3, 3, 50)[:, None, None]
-    q, scale = quantize_int8_rows(rows)
-    assert int(q.abs().amax(dim=-1).min()) == 127  # each row's largest value takes the full range
-    assert int(q.min()) >= -127
-    error = (q.float() * scale[..., None] - rows).abs()
-    assert bool((error <= scale[..., None] / 2 * (1 + 1e-5)).all())  # within half a step of each row
+def test_quantizer_centers_each_row_rounds_half_to_even_and_gives_constant_rows_scale_zero():
+    # min 10, max 264: midpoint 137, scale 1; -0.5 and 2.5 below/above it round to even.
+    x = torch.tensor([[[264.0, 10.0, 136.5, 139.5, 137.4, 200.0, 137.0, 74.0]], [[5.0] * 8]])
+    q, scale, mid = quantize_kv_rows(x)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32 and mid.dtype == torch.float32
+    assert q[0, 0].tolist() == [127, -127, 0, 2, 0, 63, 0, -63]
+    assert scale[0, 0].item() == 1.0 and mid[0, 0].item() == 137.0
+    assert q[1, 0].tolist() == [0] * 8 and scale[1, 0].item() == 0.0 and mid[1, 0].item() == 5.0  # exact
+    # A one-sided row (all positive, as keys' rows often are) takes the whole range on both sides,
+    # where a symmetric rule would leave the negative half unused.
+    rows = (torch.randn(50, 3, 64) * torch.logspace(-3, 3, 50)[:, None, None]).abs() + 1.0
+    q, scale, mid = quantize_kv_rows(rows)
+    assert int(q.amax(dim=-1).min()) == 127 and int(q.amin(dim=-1).max()) == -127
+    error = (mid[..., None] + q.float() * scale[..., None] - rows).abs()
+    assert bool((error <= scale[..., None] / 2 * (1 + 1e-4) + 1e-6 * rows.abs()).all())  # half a step
+    symmetric_step = rows.abs().amax(dim=-1) / 127
+    assert bool((scale < symmetric_step).all())
+    # NaN is 0 and an infinity the largest float, as nan_to_num makes them; no overflow in between.
+    q, scale, mid = quantize_kv_rows(torch.tensor([[float("nan"), 2.0, float("inf"), -float("inf")]]))
+    assert q.tolist() == [[0, 0, 127, -127]] and mid.item() == 0.0 and torch.isfinite(scale).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -64,18 +71,21 @@ def test_writer_puts_the_quantizers_bits_at_each_slot_of_the_layout(library, dty
     cache = _empty_cache(num_blocks, block_size, num_kv_heads, head_dim)
     Int8KVWriter(library)(k, v, cache, slots, block_size)
     for half, x in ((0, k), (1, v)):
-        data, scales = split_int8_cache(cache[half], half, block_size, num_kv_heads, head_dim)
-        q, scale = quantize_int8_rows(x)
+        data, scales, mids = split_int8_cache(cache[half], half, block_size, num_kv_heads, head_dim)
+        q, scale, mid = quantize_kv_rows(x)
         written = [t for t in range(num_tokens) if t != 5]
         blocks, offsets = slots[written] // block_size, slots[written] % block_size
         assert torch.equal(data[blocks, offsets].flatten(-2), q[written])
         assert torch.equal(scales[blocks, offsets], scale[written])
+        assert torch.equal(mids[blocks, offsets], mid[written])
         untouched = torch.ones(num_blocks, block_size, dtype=torch.bool)
         untouched[blocks, offsets] = False
         assert int(data[untouched].abs().sum()) == 0 and float(scales[untouched].abs().sum()) == 0.0
+        assert float(mids[untouched].abs().sum()) == 0.0
         dense = dequantize_blocks(cache[half], half, blocks.unique(), block_size, num_kv_heads, head_dim, torch.float32)
         assert dense.shape == (blocks.unique().numel(), block_size, num_kv_heads, head_dim)
-        assert torch.equal(dense, data[blocks.unique()].float().flatten(-2) * scales[blocks.unique()][..., None])
+        unique = blocks.unique()
+        assert torch.equal(dense, data[unique].float().flatten(-2) * scales[unique][..., None] + mids[unique][..., None])
         # The compiled dequantizer gives the reference's values bit for bit, in both dtypes, for
         # blocks in any order and repeated.
         some = torch.cat([blocks.unique().flip(0), blocks[:3]])
@@ -84,15 +94,17 @@ def test_writer_puts_the_quantizers_bits_at_each_slot_of_the_layout(library, dty
             reference = dequantize_blocks(cache[half], half, some, block_size, num_kv_heads, head_dim, out_dtype)
             assert compiled.dtype == out_dtype and torch.equal(compiled, reference)
     # The documented byte order, spelled out for one element of each half: token 0's row for KV
-    # head 2, dimension 37 (four 9, second of the four), and its scales.
+    # head 2, dimension 37 (four 9, second of the four), its scale and its midpoint.
     block, offset, h, d = int(slots[0]) // block_size, int(slots[0]) % block_size, 2, 37
-    (q_k, s_k), (q_v, s_v) = quantize_int8_rows(k), quantize_int8_rows(v)
+    (q_k, s_k, m_k), (q_v, s_v, m_v) = quantize_kv_rows(k), quantize_kv_rows(v)
     key_byte = h * head_dim * block_size + (d // 4) * 4 * block_size + 4 * offset + d % 4
     assert int(cache[0, block, key_byte]) == int(q_k[0, h, d])
     assert int(cache[1, block, (offset * num_kv_heads + h) * head_dim + d]) == int(q_v[0, h, d])
     scale_byte = block_size * num_kv_heads * head_dim + 4 * (h * block_size + offset)
-    for half, s in ((0, s_k), (1, s_v)):
+    mid_byte = scale_byte + 4 * block_size * num_kv_heads
+    for half, s, m in ((0, s_k, m_k), (1, s_v, m_v)):
         assert cache[half, block, scale_byte:scale_byte + 4].view(torch.float32).item() == s[0, h].item()
+        assert cache[half, block, mid_byte:mid_byte + 4].view(torch.float32).item() == m[0, h].item()
 
 
 def test_writer_refuses_a_slot_past_the_cache_before_writing_anything(library):
@@ -133,8 +145,9 @@ def _int8_batch(library, dtype, block_size, seed, num_heads=9, num_kv_heads=3, h
                              dtype=torch.int64)
         if r.context_len:
             writer(r.keys[: r.context_len].contiguous(), r.values[: r.context_len].contiguous(), cache, slots, block_size)
-        (qk, sk), (qv, sv) = quantize_int8_rows(r.keys), quantize_int8_rows(r.values)
-        dense.append(DenseRequest(qk.float() * sk[..., None], qv.float() * sv[..., None], r.query_len))
+        (qk, sk, mk), (qv, sv, mv) = quantize_kv_rows(r.keys), quantize_kv_rows(r.values)
+        dense.append(DenseRequest(qk.float() * sk[..., None] + mk[..., None], qv.float() * sv[..., None] + mv[..., None],
+                                  r.query_len))
     return batch, cache, dense
 
 
@@ -160,7 +173,7 @@ def test_a_mixed_step_attends_over_the_dequantized_history(library, dtype, block
 def test_layout_sizes_and_allocation_follow_the_int8_rows():
     layout = KVCacheLayout(30, 3, 64, 16, torch.bfloat16, "int8")
     assert layout.cache_dtype == torch.int8
-    assert layout.bytes_per_block == 2 * 30 * 16 * 3 * (64 + 4)  # against bf16's 2 * 30 * 16 * 3 * 128
+    assert layout.bytes_per_block == 2 * 30 * 16 * 3 * (64 + 8)  # against bf16's 2 * 30 * 16 * 3 * 128
     assert KVCacheLayout(30, 3, 64, 16, torch.bfloat16).bytes_per_block == 2 * 30 * 16 * 3 * 128
     backend = Int8CacheCpuBackend.__new__(Int8CacheCpuBackend)
     caches = allocate_kv_caches(KVCacheLayout(2, 3, 64, 16, torch.float32, "int8"), 5, backend, torch.device("cpu"))

@@ -1,8 +1,8 @@
 """CPU attention over the int8 KV cache (`--kv-cache-dtype int8`, attention/int8_kv_cache.py).
 
 Decode tokens, whose attention is bound by the cache bytes it reads, run on the compiled int8
-decode kernel (csrc/paged_decode_int8.c), which reads the int8 rows and their scales in place:
-half of bfloat16's bytes. Prefills, whose attention is bound by arithmetic, dequantize the blocks
+decode kernel (csrc/paged_decode_int8.c), which reads the int8 rows, their scales and midpoints
+in place: a little over half of bfloat16's bytes. Prefills, whose attention is bound by arithmetic, dequantize the blocks
 their slices read once per layer (the compiled dequantizer, csrc/kv_int8.c) into a dense cache in
 the model's dtype and attend there, on the compiled prefill kernel where it serves the dtype and
 on SDPA otherwise, through block tables remapped once per step. Every query reads keys and values

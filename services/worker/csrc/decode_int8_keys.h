@@ -5,8 +5,9 @@
  * each token's dot product in its own lane: no sums across lanes, which took a quarter of the key
  * pass over rows, and no int8 -> bfloat16 table (another sixth).
  *
- * Writes scores[g * padded + t] = scale * k_scale_t * (query_g . k_t) for t < seq_len and each
- * head's largest score into max_score[g]. */
+ * A key is k_t = k_mid_t + k_scale_t * q_t (q_t int8), so query_g . k_t = k_scale_t * (query_g .
+ * q_t) + k_mid_t * sum(query_g): writes scores[g * padded + t] = scale * (query_g . k_t) for t <
+ * seq_len and each head's largest score into max_score[g]. */
 #ifndef SPINDLE_DECODE_INT8_KEYS_H
 #define SPINDLE_DECODE_INT8_KEYS_H
 
@@ -26,6 +27,7 @@
 typedef struct {
   const int8_t *data;   /* the head's keys in block 0: int8 [head_dim / 4, block_size, 4] */
   const int8_t *scales; /* the head's scales in block 0: float32 [block_size] */
+  const int8_t *mids;   /* the head's midpoints in block 0: float32 [block_size] */
   int64_t block_bytes;
   int block_size;
 } HeadKeys;
@@ -39,6 +41,17 @@ static inline __attribute__((always_inline)) void prefetch_key_blocks(const Head
     const int64_t base = blocks[a] * k->block_bytes;
     for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(k->data + base + line, 0, 1);
     __builtin_prefetch(k->scales + base, 0, 1);
+    __builtin_prefetch(k->mids + base, 0, 1);
+  }
+}
+
+/* scale * sum(query_g) for each query head of the group: what a key's midpoint adds to its score,
+ * per unit. */
+static inline void query_sums(const float *q, int group, int head_dim, float scale, float *sums) {
+  for (int g = 0; g < group; g++) {
+    float s = 0.f;
+    for (int d = 0; d < head_dim; d++) s += q[g * head_dim + d];
+    sums[g] = s * scale;
   }
 }
 
@@ -56,6 +69,8 @@ static inline __attribute__((always_inline)) void key_scores_float_impl(const fl
   const int bs = keys->block_size;
   const int64_t num_blocks = (seq_len + bs - 1) / bs;
   v8f twice[MAX_GROUP][MAX_HEAD_DIM / 4]; /* query g's four p in lanes 0-3 and again in 4-7 */
+  float q_sums[MAX_GROUP];
+  query_sums(q, group, head_dim, scale, q_sums);
   for (int g = 0; g < group; g++) {
     max_score[g] = -INFINITY;
     for (int p = 0; p < head_dim / 4; p++)
@@ -65,6 +80,7 @@ static inline __attribute__((always_inline)) void key_scores_float_impl(const fl
     prefetch_key_blocks(keys, blocks, b, num_blocks, head_dim);
     const int8_t *base = keys->data + blocks[b] * keys->block_bytes;
     const int8_t *scale_bytes = keys->scales + blocks[b] * keys->block_bytes;
+    const int8_t *mid_bytes = keys->mids + blocks[b] * keys->block_bytes;
     const int64_t t0 = b * bs;
     const int n = seq_len - t0 < bs ? (int)(seq_len - t0) : bs;
     for (int o0 = 0; o0 < n; o0 += 4) {
@@ -76,15 +92,16 @@ static inline __attribute__((always_inline)) void key_scores_float_impl(const fl
         const v8f k01 = load_int8(r), k23 = load_int8(r + 8); /* tokens o0, o0+1 and o0+2, o0+3 */
         for (int g = 0; g < group; g++) sums[g][0] += twice[g][p] * k01, sums[g][1] += twice[g][p] * k23;
       }
-      float row_scales[4];
+      float row_scales[4], row_mids[4];
       memcpy(row_scales, scale_bytes + 4 * o0, sizeof(float) * m);
+      memcpy(row_mids, mid_bytes + 4 * o0, sizeof(float) * m);
       for (int g = 0; g < group; g++) {
         const v8f a = __builtin_shufflevector(sums[g][0], sums[g][1], 0, 2, 4, 6, 8, 10, 12, 14) +
                       __builtin_shufflevector(sums[g][0], sums[g][1], 1, 3, 5, 7, 9, 11, 13, 15);
         const v8f dot = __builtin_shufflevector(a, a, 0, 2, 4, 6, 0, 2, 4, 6) +
                         __builtin_shufflevector(a, a, 1, 3, 5, 7, 1, 3, 5, 7); /* lanes 0-3: the 4 tokens */
         for (int t = 0; t < m; t++) {
-          const float s = dot[t] * (row_scales[t] * scale);
+          const float s = dot[t] * (row_scales[t] * scale) + row_mids[t] * q_sums[g];
           scores[g * padded + t0 + o0 + t] = s;
           max_score[g] = s > max_score[g] || s != s ? s : max_score[g];
         }
@@ -162,8 +179,9 @@ static inline __attribute__((always_inline)) void key_scores_int8_impl(const flo
   const int bs = keys->block_size;
   const int64_t num_blocks = (seq_len + bs - 1) / bs;
   int32_t high[MAX_GROUP][MAX_HEAD_DIM / 4], low[MAX_GROUP][MAX_HEAD_DIM / 4], offset[MAX_GROUP];
-  float step[MAX_GROUP];
+  float step[MAX_GROUP], q_sums[MAX_GROUP];
   __m512 max16[MAX_GROUP];
+  query_sums(q, group, head_dim, scale, q_sums);
   for (int g = 0; g < group; g++) {
     quantize_query_int15(q + g * head_dim, head_dim, high[g], low[g], &offset[g], &step[g]);
     step[g] *= scale;
@@ -174,6 +192,7 @@ static inline __attribute__((always_inline)) void key_scores_int8_impl(const flo
     prefetch_key_blocks(keys, blocks, b, num_blocks, head_dim);
     const int8_t *base = keys->data + blocks[b] * keys->block_bytes;
     const int8_t *scale_bytes = keys->scales + blocks[b] * keys->block_bytes;
+    const int8_t *mid_bytes = keys->mids + blocks[b] * keys->block_bytes;
     const int64_t t0 = b * bs;
     for (int o0 = 0; o0 < bs && t0 + o0 < seq_len; o0 += 16) {
       const int64_t left = seq_len - t0 - o0;
@@ -182,6 +201,7 @@ static inline __attribute__((always_inline)) void key_scores_int8_impl(const flo
       for (int p = 0; p < head_dim / 4; p++)
         k[p] = _mm512_xor_si512(_mm512_loadu_si512(base + (int64_t)p * 4 * bs + 4 * o0), bias);
       const __m512 row_scales = _mm512_loadu_ps((const float *)(scale_bytes + 4 * o0));
+      const __m512 row_mids = _mm512_loadu_ps((const float *)(mid_bytes + 4 * o0));
       for (int g = 0; g < group; g++) {
         __m512i hi[KEY_SUMS], lo[KEY_SUMS];
         for (int a = 0; a < KEY_SUMS; a++) hi[a] = lo[a] = _mm512_setzero_si512();
@@ -194,7 +214,8 @@ static inline __attribute__((always_inline)) void key_scores_int8_impl(const flo
         const __m512i dot_int = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(hi[0], 7), lo[0]),
                                                  _mm512_set1_epi32(offset[g]));
         const __m512 dot = _mm512_cvtepi32_ps(dot_int);
-        const __m512 s = _mm512_mul_ps(_mm512_mul_ps(dot, _mm512_set1_ps(step[g])), row_scales);
+        const __m512 s = _mm512_fmadd_ps(row_mids, _mm512_set1_ps(q_sums[g]),
+                                         _mm512_mul_ps(_mm512_mul_ps(dot, _mm512_set1_ps(step[g])), row_scales));
         _mm512_mask_storeu_ps(scores + g * padded + t0 + o0, valid, s);
         max16[g] = _mm512_mask_max_ps(max16[g], valid, max16[g], s);
       }

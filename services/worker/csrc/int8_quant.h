@@ -1,10 +1,12 @@
-/* The int8 row quantizer shared by the int8 KV cache writer (kv_int8.c) and W8A8's activations
- * (w8a8.c), so both round alike and match one PyTorch reference (`quantize_int8_rows`): in
+/* The int8 row quantizers: W8A8's activations (w8a8.c, gemm_int8_tiles.c), symmetric, matching
+ * the PyTorch reference `quantize_int8_rows`, and the int8 KV cache's rows (kv_int8.c), about each
+ * row's midpoint (below). The symmetric rule: in
  * float32, q = rint(x * (127 / amax)) (nearest even), clamped to [-127, 127], a NaN to 0;
  * scale = amax / 127, and a row of zeros gets scale 0. */
 #ifndef SPINDLE_INT8_QUANT_H
 #define SPINDLE_INT8_QUANT_H
 
+#include <float.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -35,6 +37,42 @@
 
 DEFINE_QUANTIZE_ROW(f32, float, INT8_QUANT_LOAD_F32)
 DEFINE_QUANTIZE_ROW(bf16, uint16_t, INT8_QUANT_LOAD_BF16)
+
+/* x as PyTorch's nan_to_num leaves it: NaN 0, an infinity the largest finite value of its sign. */
+static inline float int8_quant_finite(float x) {
+  return x != x ? 0.f : x > FLT_MAX ? FLT_MAX : x < -FLT_MAX ? -FLT_MAX : x;
+}
+
+/* quantize_row_centered_f32 / _bf16(x, k, q, scale, mid): the KV cache's row rule (kv_int8.c),
+ * int8 about the row's midpoint, which spends all 255 levels on [min, max] where a symmetric
+ * rule wastes up to half of them on a one-sided row. In float32, after int8_quant_finite: half =
+ * max * 0.5 - min * 0.5 (no overflow), mid = min + half, q = rint((x - mid) * (127 / half))
+ * clamped to [-127, 127], scale = half / 127; a constant row gets q 0, scale 0, mid its value.
+ * x = mid + q * scale, to within scale / 2. The PyTorch reference (`quantize_kv_rows`) takes the
+ * same steps. */
+#define DEFINE_QUANTIZE_CENTERED(SUFFIX, T, LOAD)                                                           \
+  static inline void quantize_row_centered_##SUFFIX(const T *x, int64_t k, int8_t *q, float *scale,         \
+                                                    float *mid) {                                           \
+    float lo = FLT_MAX, hi = -FLT_MAX;                                                                      \
+    for (int64_t i = 0; i < k; i++) {                                                                       \
+      const float v = int8_quant_finite(LOAD(x[i]));                                                        \
+      lo = v < lo ? v : lo;                                                                                 \
+      hi = v > hi ? v : hi;                                                                                 \
+    }                                                                                                       \
+    if (k <= 0) lo = hi = 0.f;                                                                              \
+    const float half = hi * 0.5f - lo * 0.5f, center = lo + half;                                           \
+    const float inv = half > 0.f ? 127.f / half : 0.f;                                                      \
+    for (int64_t i = 0; i < k; i++) {                                                                       \
+      float v = rintf((int8_quant_finite(LOAD(x[i])) - center) * inv);                                      \
+      v = v > 127.f ? 127.f : v < -127.f ? -127.f : v;                                                      \
+      q[i] = (int8_t)v;                                                                                     \
+    }                                                                                                       \
+    *scale = half / 127.f;                                                                                  \
+    *mid = center;                                                                                          \
+  }
+
+DEFINE_QUANTIZE_CENTERED(f32, float, INT8_QUANT_LOAD_F32)
+DEFINE_QUANTIZE_CENTERED(bf16, uint16_t, INT8_QUANT_LOAD_BF16)
 
 #define INT8_QUANT_STORE_F32(x) (x)
 #define INT8_QUANT_STORE_BF16(x) f32_to_bf16(x)

@@ -1,8 +1,9 @@
 /* This step's keys and values written into an int8 KV cache (attention/int8_kv_cache.py has the
  * layout), and blocks of it read back dense for prefill attention (at the end): each (token, KV
- * head) row of head_dim values becomes head_dim int8 in [-127, 127] and a float32 scale, amax /
- * 127, by the row rule of int8_quant.h (shared with W8A8's activations). The PyTorch reference
- * (`quantize_int8_rows`) does the same operations in the same order, so the two agree bit for bit.
+ * head) row of head_dim values becomes head_dim int8 in [-127, 127] about the row's midpoint, a
+ * float32 scale and the float32 midpoint, x = mid + q * scale, by int8_quant.h's centered rule.
+ * The PyTorch reference (`quantize_kv_rows`) does the same operations in the same order, so the
+ * two agree bit for bit.
  *
  * key and value [num_tokens, num_kv_heads, head_dim] rows `*_stride` elements apart (views of the
  * fused QKV projection), float32 or bfloat16 (raw uint16); slots [num_tokens] int64, -1 skips a
@@ -10,8 +11,8 @@
  * caches are the key and value halves of the layer's int8 tensor, `block_bytes` per block: keys
  * int8 [num_kv_heads, head_dim / 4, block_size, 4] (each row's dimensions in fours, the block's
  * tokens side by side per four, for the decode kernel's key pass), values int8 [block_size,
- * num_kv_heads, head_dim]; then float32 scales [num_kv_heads, block_size] in both. head_dim is a
- * multiple of 4 (status 1 otherwise). */
+ * num_kv_heads, head_dim]; then float32 scales [num_kv_heads, block_size] and float32 midpoints
+ * [num_kv_heads, block_size] in both. head_dim is a multiple of 4 (status 1 otherwise). */
 #include <stdint.h>
 #include <string.h>
 
@@ -26,12 +27,14 @@ static inline int64_t key_fours_offset(int h, int64_t o, int head_dim, int block
   return (int64_t)h * head_dim * block_size + 4 * o;
 }
 
-/* A row quantized by the shared rule, its float32 scale stored at unaligned `scale_bytes`. */
-#define QUANTIZE_INTO_BLOCK(SUFFIX, x, head_dim, q, scale_bytes) \
-  do {                                                          \
-    float scale;                                                \
-    quantize_row_int8_##SUFFIX(x, head_dim, q, &scale);         \
-    memcpy(scale_bytes, &scale, sizeof scale);                  \
+/* A row quantized by the centered rule, its float32 scale and midpoint stored at unaligned
+ * `scale_bytes` and `mid_bytes`. */
+#define QUANTIZE_INTO_BLOCK(SUFFIX, x, head_dim, q, scale_bytes, mid_bytes) \
+  do {                                                                     \
+    float scale, mid;                                                      \
+    quantize_row_centered_##SUFFIX(x, head_dim, q, &scale, &mid);          \
+    memcpy(scale_bytes, &scale, sizeof scale);                             \
+    memcpy(mid_bytes, &mid, sizeof mid);                                   \
   } while (0)
 
 #define DEFINE_WRITE(SUFFIX, T)                                                                      \
@@ -51,13 +54,15 @@ static inline int64_t key_fours_offset(int h, int64_t o, int head_dim, int block
       int8_t *kb = key_cache + block * block_bytes, *vb = value_cache + block * block_bytes;          \
       for (int h = 0; h < num_kv_heads; h++) {                                                        \
         const int64_t scale_offset = data_bytes + ((int64_t)h * block_size + offset) * 4;             \
+        const int64_t mid_offset = scale_offset + (int64_t)block_size * num_kv_heads * 4;             \
         int8_t row[MAX_HEAD_DIM];                                                                     \
         QUANTIZE_INTO_BLOCK(SUFFIX, key + t * key_stride + (int64_t)h * head_dim, head_dim, row,      \
-                            kb + scale_offset);                                                       \
+                            kb + scale_offset, kb + mid_offset);                                      \
         int8_t *fours = kb + key_fours_offset(h, offset, head_dim, block_size);                       \
         for (int p = 0; p < head_dim / 4; p++) memcpy(fours + (int64_t)p * 4 * block_size, row + 4 * p, 4); \
         QUANTIZE_INTO_BLOCK(SUFFIX, value + t * value_stride + (int64_t)h * head_dim, head_dim,       \
-                            vb + (offset * num_kv_heads + h) * head_dim, vb + scale_offset);          \
+                            vb + (offset * num_kv_heads + h) * head_dim, vb + scale_offset,           \
+                            vb + mid_offset);                                                         \
       }                                                                                               \
     }                                                                                                 \
     return 0;                                                                                         \
@@ -66,17 +71,36 @@ static inline int64_t key_fours_offset(int h, int64_t o, int head_dim, int block
 DEFINE_WRITE(f32, float)
 DEFINE_WRITE(bf16, uint16_t)
 
+/* q * scale rounded to float32, then + mid rounded again: the two roundings of PyTorch's
+ * reference, which an FMA (the compiler contracts a * b + c) would make one. */
+static inline v8f scale_then_add8(v8f q, float scale, float mid) {
+  v8f p = q * scale;
+#if defined(__AVX__)
+  __asm__("" : "+x"(p));
+#else
+  __asm__("" : "+m"(p));
+#endif
+  return p + mid;
+}
+
+static inline float scale_then_add1(float q, float scale, float mid) {
+  float p = q * scale;
+  __asm__("" : "+m"(p));
+  return p + mid;
+}
+
 /* Blocks block_ids[0..n) of one half of the int8 cache (half 0 keys, 1 values: their layouts
  * above) as dense rows out [n, block_size, num_kv_heads, head_dim], float32 or bfloat16 (raw
- * uint16), for prefill attention: each element q * scale in float32, then rounded to bfloat16
- * (nearest even), as PyTorch's `(q.float() * scale).to(dtype)` (`dequantize_blocks`) computes it,
- * so the two agree bit for bit. */
+ * uint16), for prefill attention: each element q * scale + mid in float32 (two roundings), then
+ * rounded to bfloat16 (nearest even), as PyTorch's `(q.float() * scale + mid).to(dtype)`
+ * (`dequantize_blocks`) computes it, so the two agree bit for bit. */
 #define DEFINE_DEQUANTIZE(SUFFIX, T, STORE8, STORE1)                                                   \
   int dequantize_kv_int8_##SUFFIX(const int8_t *cache, int64_t block_bytes, const int64_t *block_ids,    \
                                   int64_t n, int half, int block_size, int num_kv_heads, int head_dim,   \
                                   T *out) {                                                             \
     if (head_dim <= 0 || head_dim > MAX_HEAD_DIM || head_dim % 4) return 1;                            \
     const int64_t data_bytes = (int64_t)block_size * num_kv_heads * head_dim;                           \
+    const int64_t meta_bytes = (int64_t)block_size * num_kv_heads * 4;                                  \
     const int64_t num_items = n * num_kv_heads;                                                         \
     _Pragma("omp parallel for schedule(static) if(n * block_size >= MIN_PARALLEL_TOKENS)")             \
     for (int64_t item = 0; item < num_items; item++) {                                                  \
@@ -84,6 +108,7 @@ DEFINE_WRITE(bf16, uint16_t)
       const int h = (int)(item % num_kv_heads);                                                         \
       const int8_t *block = cache + block_ids[i] * block_bytes;                                         \
       const int8_t *scales = block + data_bytes + 4 * (int64_t)h * block_size;                          \
+      const int8_t *mids = scales + meta_bytes;                                                         \
       for (int o = 0; o < block_size; o++) {                                                            \
         int8_t row[MAX_HEAD_DIM];                                                                       \
         if (half == 0) {                                                                                \
@@ -92,12 +117,13 @@ DEFINE_WRITE(bf16, uint16_t)
         } else {                                                                                        \
           memcpy(row, block + ((int64_t)o * num_kv_heads + h) * head_dim, (size_t)head_dim);            \
         }                                                                                               \
-        float scale;                                                                                    \
+        float scale, mid;                                                                               \
         memcpy(&scale, scales + 4 * o, sizeof scale);                                                   \
+        memcpy(&mid, mids + 4 * o, sizeof mid);                                                         \
         T *dst = out + ((i * block_size + o) * num_kv_heads + h) * head_dim;                            \
         int d = 0;                                                                                      \
-        for (; d + 8 <= head_dim; d += 8) STORE8(dst + d, load_int8(row + d) * scale);               \
-        for (; d < head_dim; d++) dst[d] = STORE1((float)row[d] * scale);                               \
+        for (; d + 8 <= head_dim; d += 8) STORE8(dst + d, scale_then_add8(load_int8(row + d), scale, mid)); \
+        for (; d < head_dim; d++) dst[d] = STORE1(scale_then_add1((float)row[d], scale, mid));          \
       }                                                                                                 \
     }                                                                                                   \
     return 0;                                                                                           \

@@ -110,7 +110,7 @@ class DecodeStack:
             "value_cache": _pointers([c[1] for c in caches]),
         }
         per_proj = [[_pointers([p[i][part] for p in self._projections]) for i in range(4)] for part in range(4)]
-        if self.kv_int8:  # [2, num_blocks, block_bytes]: a block's rows, then their scales
+        if self.kv_int8:  # [2, num_blocks, block_bytes]: a block's rows, then their scales and midpoints
             block_bytes = caches[0].shape[2]
             block_size = block_bytes // int8_block_bytes(1, attn.num_kv_heads, attn.head_dim)
         else:  # [2, num_blocks, block_size, num_kv_heads, head_dim]
