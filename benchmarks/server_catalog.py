@@ -104,8 +104,8 @@ def make_servers(names: list[str], dtype: str, install: bool, bf16_max_concurren
             env = {"SPINDLE_DTYPE": "bfloat16", "SPINDLE_KV_CACHE_DTYPE": "int8"}
             if quantization != "none":
                 env["SPINDLE_QUANTIZATION"] = quantization
-            server = SpindleServer(name, env=env, note=f"{weights}, int8 KV cache (a scale per token and KV head); "
-                                                       f"c<={bf16_max_concurrency} only")
+            server = SpindleServer(name, env=env, note=f"{weights}, int8 KV cache (rows about their midpoint: a scale "
+                                                       f"and a midpoint per token and KV head); c<={bf16_max_concurrency} only")
             server.max_concurrency = bf16_max_concurrency
             servers.append(server)
         elif name in ("transformers-serve", "llama-cpp", "openvino-bf16", "openvino-int8"):
