@@ -7,9 +7,10 @@ accuracy.
 
 The 8 parity prompts of tests/e2e/test_default_model.py and 24 more (`MORE_PROMPTS`: eight prompts
 are too few, as a near-tie at the first token ends a row's agreement by chance), in the chat
-template, each alone, greedy for `--max-tokens` tokens with EOS ignored. The reference is Spindle in float32, which the parity
-tests hold to Hugging Face transformers token for token. Per row: how many prompts keep every token,
-and the tokens kept before the first divergence (their mean, and the list). Each int8 row is also
+template, each alone, greedy for `--max-tokens` tokens with EOS ignored. The reference is Spindle
+in float32, which the parity tests hold to Hugging Face transformers token for token. Per row: how
+many prompts keep every token, and the tokens kept before the first divergence (their mean, and
+the list). Each int8 row is also
 set against its own engine's bf16 row. OpenVINO runs in its venv (`benchmarks.openvino_greedy`,
 `python -m benchmarks.peers install openvino` first), with the pipeline the benchmark drives.
 """
@@ -113,7 +114,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--configs", default="float32-kv8,bf16,bf16-kv8,w8a8,w8a8-kv8", help="of " + ",".join(SPINDLE_CONFIGS))
+    parser.add_argument("--configs", default="float32-kv8,bf16,bf16-kv8,w8a8,w8a8-kv8",
+                        help="of " + ",".join(SPINDLE_CONFIGS))
     parser.add_argument("--openvino", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--out", default="benchmarks/results/engine_drift.json")
     args = parser.parse_args()

@@ -15,7 +15,12 @@ import pytest
 import torch
 
 from services.worker.attention.cpu_decode_int8 import PagedDecodeInt8Kernel
-from services.worker.attention.int8_kv_cache import int8_block_bytes, quantize_int8_rows, quantize_kv_rows, split_int8_cache
+from services.worker.attention.int8_kv_cache import (
+    int8_block_bytes,
+    quantize_int8_rows,
+    quantize_kv_rows,
+    split_int8_cache,
+)
 from tests.oracles import dense_attention
 from tests.worker.kernel_builds import MARCHES, library_for
 

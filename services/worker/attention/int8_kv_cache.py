@@ -5,9 +5,9 @@ One int8 tensor per layer, [2, num_blocks, block_bytes] (0 keys, 1 values). Each
 row is quantized on its own, so an outlier in one head or token costs precision nowhere else, and
 about its own midpoint: x = mid + q * scale, q in [-127, 127], scale = (max - min) / 254. A
 symmetric rule (scale = max|x| / 127) spends half its levels on values a one-sided row never
-takes; keys are often one-sided, and on 32 chat prompts with float32 weights the centered rule
-kept greedy output identical to the float32 cache's for 48.7 tokens of 64 on average against
-37.5 (docs/benchmarks.md, "The int8 KV cache about each row's midpoint"). A value block holds its tokens' rows, int8 [block_size,
+takes; on 32 chat prompts with float32 weights the centered rule kept greedy output identical to
+float32's for 45.5 tokens of 64 on average against 34.6 (docs/benchmarks.md, "The int8 KV cache
+about each row's midpoint"). A value block holds its tokens' rows, int8 [block_size,
 num_kv_heads, head_dim]; a key block holds them per KV head with each row's dimensions in fours and
 the block's tokens side by side per four, int8 [num_kv_heads, head_dim / 4, block_size, 4], so the
 decode kernel's key pass sums 16 tokens' dot products in 16 lanes (csrc/decode_int8_keys.h). Both

@@ -46,6 +46,7 @@ static inline int64_t key_fours_offset(int h, int64_t o, int head_dim, int block
     for (int64_t t = 0; t < num_tokens; t++) /* checked before anything is written */                \
       if (slots[t] >= num_blocks * block_size) return 2;                                             \
     const int64_t data_bytes = (int64_t)block_size * num_kv_heads * head_dim;                         \
+    const int64_t meta_bytes = (int64_t)block_size * num_kv_heads * 4; /* scales, then midpoints */  \
     _Pragma("omp parallel for schedule(static) if(num_tokens >= MIN_PARALLEL_TOKENS)")               \
     for (int64_t t = 0; t < num_tokens; t++) {                                                        \
       const int64_t slot = slots[t];                                                                  \
@@ -54,7 +55,7 @@ static inline int64_t key_fours_offset(int h, int64_t o, int head_dim, int block
       int8_t *kb = key_cache + block * block_bytes, *vb = value_cache + block * block_bytes;          \
       for (int h = 0; h < num_kv_heads; h++) {                                                        \
         const int64_t scale_offset = data_bytes + ((int64_t)h * block_size + offset) * 4;             \
-        const int64_t mid_offset = scale_offset + (int64_t)block_size * num_kv_heads * 4;             \
+        const int64_t mid_offset = scale_offset + meta_bytes;                                         \
         int8_t row[MAX_HEAD_DIM];                                                                     \
         QUANTIZE_INTO_BLOCK(SUFFIX, key + t * key_stride + (int64_t)h * head_dim, head_dim, row,      \
                             kb + scale_offset, kb + mid_offset);                                      \

@@ -99,8 +99,9 @@ static inline __attribute__((always_inline)) void scattered_rows(const HeadRows 
 }
 
 /* scattered_rows where a chunk lies in one block (blocks of a multiple of CHUNK tokens): its rows a
- * fixed stride apart, its scales and midpoints one vector each; the rows and scales of the block VALUE_PREFETCH_BLOCKS
- * ahead prefetched at each block's first chunk (at the first, every block up to there). */
+ * fixed stride apart, its scales and midpoints one vector each; the rows, scales and midpoints of
+ * the block VALUE_PREFETCH_BLOCKS ahead prefetched at each block's first chunk (at the first,
+ * every block up to there). */
 #define VALUE_PREFETCH_BLOCKS 4
 static inline __attribute__((always_inline)) void chunk_rows(const HeadRows *h, const int64_t *blocks, int64_t t0,
                                                              int64_t seq_len, int head_dim,
@@ -217,14 +218,14 @@ static inline __attribute__((always_inline)) void value_sums_impl(const HeadRows
 
 /* The value pass with head_dim constant where it is 64 or 128 (the loops over a row unroll), and
  * the group where it is 1 to 8 (GQA's usual groups: the sums then stay in registers). */
-#define VALUE_SUMS_GROUP(G)                                                                         \
-  case G:                                                                                         \
-    if (head_dim == 64) value_sums_impl(values, blocks, seq_len, probs, padded, G, 64, acc, mids);       \
-    else if (head_dim == 128) value_sums_impl(values, blocks, seq_len, probs, padded, G, 128, acc, mids); \
-    else value_sums_impl(values, blocks, seq_len, probs, padded, G, head_dim, acc, mids);                \
+#define VALUE_SUMS_GROUP(G)                                                                                   \
+  case G:                                                                                                     \
+    if (head_dim == 64) value_sums_impl(values, blocks, seq_len, probs, padded, G, 64, acc, mid_sums);        \
+    else if (head_dim == 128) value_sums_impl(values, blocks, seq_len, probs, padded, G, 128, acc, mid_sums); \
+    else value_sums_impl(values, blocks, seq_len, probs, padded, G, head_dim, acc, mid_sums);                 \
     return 1;
 static int value_sums_table(const HeadRows *values, const int64_t *blocks, int64_t seq_len, const float *probs,
-                            int64_t padded, int group, int head_dim, float *acc, float *mids) {
+                            int64_t padded, int group, int head_dim, float *acc, float *mid_sums) {
   if (head_dim % 64) return 0;
   switch (group) {
     VALUE_SUMS_GROUP(1)
@@ -236,7 +237,7 @@ static int value_sums_table(const HeadRows *values, const int64_t *blocks, int64
     VALUE_SUMS_GROUP(7)
     VALUE_SUMS_GROUP(8)
     default:
-      value_sums_impl(values, blocks, seq_len, probs, padded, group, head_dim, acc, mids);
+      value_sums_impl(values, blocks, seq_len, probs, padded, group, head_dim, acc, mid_sums);
       return 1;
   }
 }
