@@ -3,7 +3,7 @@ OpenVINO GenAI's, on the same prompts, so that the throughput comparison is betw
 accuracy.
 
     flock /tmp/spindle-cpu.lock .venv/bin/python -m benchmarks.engine_drift [--max-tokens 64]
-        [--configs float32-kv8,bf16,bf16-kv8,w8a8,w8a8-kv8] [--no-openvino] [--out benchmarks/results/engine_drift.json]
+        [--configs float32-kv8,bf16,bf16-kv8,w8a8,w8a8-kv8,w8a8-rows,w8a8-rows-kv8] [--no-openvino] [--out benchmarks/results/engine_drift.json]
 
 The 8 parity prompts of tests/e2e/test_default_model.py and 24 more (`MORE_PROMPTS`: eight prompts
 are too few, as a near-tie at the first token ends a row's agreement by chance), in the chat
@@ -33,14 +33,18 @@ from services.worker.config import WorkerConfig
 from services.worker.worker import Worker
 
 ROOT = Path(__file__).resolve().parents[1]
-# name -> (dtype, quantization, kv_cache_dtype)
+# name -> (dtype, quantization, kv_cache_dtype, w8a8_group_size); W8A8's groups: the worker's
+# default (32 on the int8 tiles) unless the name says otherwise (-rows: one scale per row).
 SPINDLE_CONFIGS = {
-    "float32": ("float32", "none", "auto"),
-    "float32-kv8": ("float32", "none", "int8"),
-    "bf16": ("bfloat16", "none", "auto"),
-    "bf16-kv8": ("bfloat16", "none", "int8"),
-    "w8a8": ("bfloat16", "w8a8", "auto"),
-    "w8a8-kv8": ("bfloat16", "w8a8", "int8"),
+    "float32": ("float32", "none", "auto", -1),
+    "float32-kv8": ("float32", "none", "int8", -1),
+    "bf16": ("bfloat16", "none", "auto", -1),
+    "bf16-kv8": ("bfloat16", "none", "int8", -1),
+    "w8a8": ("bfloat16", "w8a8", "auto", -1),
+    "w8a8-kv8": ("bfloat16", "w8a8", "int8", -1),
+    "w8a8-rows": ("bfloat16", "w8a8", "auto", 0),
+    "w8a8-rows-kv8": ("bfloat16", "w8a8", "int8", 0),
+    "w8a8-g64": ("bfloat16", "w8a8", "auto", 64),
 }
 MORE_PROMPTS = (
     "Summarize the history of the printing press in two sentences.",
@@ -69,7 +73,8 @@ MORE_PROMPTS = (
     "How does a bicycle stay upright when it moves?",
 )
 # Each row's same-engine bf16 row, against which it is also compared.
-BF16_OF = {"bf16-kv8": "bf16", "w8a8": "bf16", "w8a8-kv8": "bf16", "openvino-int8": "openvino-bf16"}
+BF16_OF = {"bf16-kv8": "bf16", "w8a8": "bf16", "w8a8-kv8": "bf16", "w8a8-rows": "bf16", "w8a8-rows-kv8": "bf16",
+           "w8a8-g64": "bf16", "openvino-int8": "openvino-bf16"}
 
 
 def chat_prompts(texts) -> list[list[int]]:
@@ -81,9 +86,9 @@ def chat_prompts(texts) -> list[list[int]]:
 
 
 def spindle_outputs(name: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    dtype, quantization, kv_cache_dtype = SPINDLE_CONFIGS[name]
+    dtype, quantization, kv_cache_dtype, group_size = SPINDLE_CONFIGS[name]
     worker = Worker(WorkerConfig(dtype=dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-                                 kv_cache_bytes=256 * 2**20, max_model_len=2048))
+                                 w8a8_group_size=group_size, kv_cache_bytes=256 * 2**20, max_model_len=2048))
     worker.load_model()
     worker.initialize_kv_cache(0)
     return [greedy(worker, p, max_tokens)[0] for p in prompts]

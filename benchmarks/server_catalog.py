@@ -91,11 +91,16 @@ def make_servers(names: list[str], dtype: str, install: bool, bf16_max_concurren
                                         f"and KV cache; c<={bf16_max_concurrency} only")
             server.max_concurrency = bf16_max_concurrency
             servers.append(server)
-        elif name == "spindle-w8a8":
-            server = SpindleServer("spindle-w8a8", env={"SPINDLE_DTYPE": "bfloat16", "SPINDLE_QUANTIZATION": "w8a8"},
+        elif name in ("spindle-w8a8", "spindle-w8a8-rows"):
+            env = {"SPINDLE_DTYPE": "bfloat16", "SPINDLE_QUANTIZATION": "w8a8"}
+            if name == "spindle-w8a8-rows":
+                env["SPINDLE_W8A8_GROUP_SIZE"] = "0"
+            activations = ("per row" if name == "spindle-w8a8-rows" else
+                           "in groups of 32 on the int8 tiles (per row where the CPU lacks them)")
+            server = SpindleServer(name, env=env,
                                    note="int8 matmul weights (per-channel scales); matmuls quantize their "
-                                        "bfloat16 activations per row (W8A8, the CPU's int8 dot products; up to "
-                                        "16 rows weight-only where the CPU lacks the int8 tiles); "
+                                        f"bfloat16 activations {activations} (W8A8, the CPU's int8 dot products; "
+                                        "up to 16 rows weight-only where the CPU lacks the int8 tiles); "
                                         f"c<={bf16_max_concurrency} only")
             server.max_concurrency = bf16_max_concurrency
             servers.append(server)

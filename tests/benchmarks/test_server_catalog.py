@@ -23,3 +23,11 @@ def test_the_w8a8_row_with_the_int8_kv_cache():
     (row,) = make_servers(["spindle-w8a8-kv8"], "float32", install=False, bf16_max_concurrency=64)
     assert row.env == {"SPINDLE_DTYPE": "bfloat16", "SPINDLE_KV_CACHE_DTYPE": "int8", "SPINDLE_QUANTIZATION": "w8a8"}
     assert "W8A8" in row.note and "int8 KV cache" in row.note
+
+
+def test_the_per_row_w8a8_row_sets_one_activation_scale_per_row():
+    grouped, rows = make_servers(["spindle-w8a8", "spindle-w8a8-rows"], "float32", install=False,
+                                 bf16_max_concurrency=64)
+    assert "SPINDLE_W8A8_GROUP_SIZE" not in grouped.env and "groups of 32" in grouped.note
+    assert rows.env == {"SPINDLE_DTYPE": "bfloat16", "SPINDLE_QUANTIZATION": "w8a8", "SPINDLE_W8A8_GROUP_SIZE": "0"}
+    assert "activations per row" in rows.note

@@ -25,10 +25,10 @@ CONFIG_IDS = ["bf16", "bf16-gemv", "f32-int8", "bf16-int8"]
 
 
 def _runner(model_dir, dtype: torch.dtype, quantization: str, fused: bool, kv_cache_dtype: str = "auto",
-            tiles: bool = True, max_num_seqs: int = 16):
+            tiles: bool = True, max_num_seqs: int = 16, w8a8_group_size: int = -1):
     hf_config = load_config(model_dir)
     config = WorkerConfig(quantization=quantization, cpu_fused_decode=fused, kv_cache_dtype=kv_cache_dtype,
-                          cpu_gemm_tiles=tiles)
+                          cpu_gemm_tiles=tiles, w8a8_group_size=w8a8_group_size)
     platform = build_platform(config, torch.device("cpu"), dtype, AttentionHeads.from_hf_config(hf_config))
     model = load_model(model_dir, platform, config=hf_config)
     attn = model.attention_layers()

@@ -1,17 +1,20 @@
-"""W8A8's int8 column tiles (csrc/gemm_int8_tiles.c): the same result as the oneDNN path bit for
-bit (the exact product of the quantized operands, scaled back by the same row pass), the rows
-`Int8Weight` hands them, and the decoder stack on them for steps of more rows than the int8 GEMV
-takes (on the GEMV below). Skipped where the library has no tiles (built without AVX512_VNNI)."""
+"""W8A8's int8 column tiles (csrc/gemm_int8_tiles.c): with one activation scale per row the same
+result as the oneDNN path bit for bit (the exact product of the quantized operands, scaled back by
+the same row pass), with activations in groups the product of the group-quantized operands to
+within float32 sums and one rounding; the rows `Int8Weight` hands them, the group size each
+configuration runs, and the decoder stack on them for steps of more rows than the int8 GEMV takes
+(on the GEMV below). Skipped where the library has no tiles (built without AVX512_VNNI)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from services.worker.config import cpu_has_amx_int8, cpu_has_int8_dot
+from services.worker.attention.int8_kv_cache import quantize_int8_rows
+from services.worker.config import WorkerConfig, cpu_has_amx_int8, cpu_has_int8_dot
 from services.worker.layers.int8_gemv import MAX_INT8_GEMV_ROWS, Int8Gemv
 from services.worker.layers.int8_kernels import quantize_per_channel
 from services.worker.layers.int8_linear import Int8PathSelector, Int8Weight
-from services.worker.layers.w8a8 import W8A8Kernels, int_mm_is_exact
+from services.worker.layers.w8a8 import DEFAULT_W8A8_GROUP_SIZE, W8A8Kernels, int_mm_is_exact, resolve_group_size
 from services.worker.models.decode_stack import WEIGHTS_INT8, WEIGHTS_INT8_TILES
 from services.worker.platforms import cpu as cpu_platform
 from tests.worker.kernel_builds import library_for
@@ -24,8 +27,13 @@ def kernel_cache(tmp_path_factory):
 
 
 @pytest.fixture
-def kernels(kernel_cache) -> W8A8Kernels:
-    kernels = W8A8Kernels(library_for("native", kernel_cache))
+def library(kernel_cache):
+    return library_for("native", kernel_cache)
+
+
+@pytest.fixture
+def kernels(library) -> W8A8Kernels:
+    kernels = W8A8Kernels(library)
     if not kernels.has_tiles:
         pytest.skip("the CPU kernels have no int8 column tiles here (built without AVX512_VNNI)")
     return kernels
@@ -57,6 +65,81 @@ def test_tiles_give_the_exact_products_scaled_back_as_the_onednn_path(kernels, n
     assert torch.equal(got, _reference(kernels, x, qweight, scales, bias))
     if int_mm_is_exact() and k_size % 8 == 0:
         assert torch.equal(got, kernels.linear(x, qweight, scales, bias))
+
+
+def _grouped_reference(x, qweight, scales, bias, group_size):
+    """float64 sum over groups of (group's int8 rows x weight) * group scale, as the tiles define it."""
+    out = torch.zeros(x.shape[0], qweight.shape[0], dtype=torch.float64)
+    for k0 in range(0, x.shape[1], group_size):
+        q, x_scales = quantize_int8_rows(x[:, k0:k0 + group_size].float())
+        out += (q.double() @ qweight[:, k0:k0 + group_size].double().t()) * x_scales.double()[:, None]
+    out *= scales.double()
+    return out if bias is None else out + bias.double()
+
+
+def _operands(num_rows, n_size, k_size, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(num_rows, k_size, generator=g) * torch.logspace(-2, 1, num_rows)[:, None]).bfloat16()
+    x[0, :] = 0.0
+    if num_rows > 1:
+        x[1, k_size // 2] = 40.0  # an outlier: per row it would flatten the rest of the row
+    qweight = torch.randint(-127, 128, (n_size, k_size), generator=g, dtype=torch.int8)
+    qweight[0, :] = 127
+    if n_size > 1:
+        qweight[1, :] = -127
+    scales = torch.rand(n_size, generator=g) * 0.01 + 1e-4
+    return x, qweight, scales, torch.randn(n_size, generator=g).bfloat16()
+
+
+# Groups that divide K, that leave a shorter last group, and one group past K (the per-row rule).
+@pytest.mark.parametrize("group_size,num_rows,n_size,k_size", [
+    (32, 17, 960, 576), (64, 40, 3072, 64), (32, 33, 577, 37), (36, 300, 96, 1536), (4, 9, 1, 3),
+    (128, 5, 48, 96)])
+def test_grouped_tiles_give_the_group_quantized_product_within_one_rounding(library, kernels, group_size, num_rows,
+                                                                             n_size, k_size):
+    x, qweight, scales, bias = _operands(num_rows, n_size, k_size, seed=num_rows + k_size)
+    grouped = W8A8Kernels(library, group_size=group_size)
+    got = grouped.tiles(x, grouped.pack_tiles(qweight), scales, bias)
+    want = _grouped_reference(x, qweight, scales, bias, group_size)
+    # bfloat16's rounding, and float32 sums whose terms (the 128 offset in them) reach |x| |W| + 128 |q|.
+    magnitude = (x.double().abs() @ (qweight.double().abs() + 128).t()) * scales.double()
+    assert ((got.double() - want).abs() <= want.abs() * 2**-8 + magnitude * 2**-20).all()
+    if group_size >= k_size:  # one group: the per-row tiles bit for bit
+        assert torch.equal(got, kernels.tiles(x, kernels.pack_tiles(qweight), scales, bias))
+
+
+def test_groups_keep_the_values_an_outlier_flattens_per_row(library, kernels):
+    """One large value in a row sets the per-row scale, so the row's small values round to a few
+    levels; groups scale them apart (all but the outlier's own). The grouped product is far nearer
+    the float one."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 576, generator=g)
+    x[:, 7] = 60.0
+    x = x.bfloat16()
+    qweight = torch.randint(-127, 128, (96, 576), generator=g, dtype=torch.int8)
+    qweight[:, 7] = 0  # the outlier's product is exact either way: the error is the rest of the row's
+    scales = torch.full((96,), 1e-2)
+    exact = (x.double() @ qweight.double().t()) * scales.double()
+    tiled = kernels.pack_tiles(qweight)
+    per_row = (kernels.tiles(x, tiled, scales).double() - exact).abs().mean()
+    grouped = W8A8Kernels(library, group_size=32)
+    in_groups = (grouped.tiles(x, tiled, scales).double() - exact).abs().mean()
+    assert in_groups * 3 < per_row  # measured 0.50 against 1.77
+
+
+def test_the_group_size_each_configuration_runs(library):
+    assert resolve_group_size(-1, has_tiles=True, measures_tile_rows=False) == DEFAULT_W8A8_GROUP_SIZE
+    assert resolve_group_size(-1, has_tiles=False, measures_tile_rows=False) == 0  # oneDNN: per row
+    assert resolve_group_size(-1, has_tiles=True, measures_tile_rows=True) == 0  # AMX-INT8 keeps oneDNN's GEMM
+    assert resolve_group_size(64, has_tiles=True, measures_tile_rows=True) == 64
+    assert resolve_group_size(0, has_tiles=True, measures_tile_rows=False) == 0
+    with pytest.raises(ValueError, match="--w8a8-group-size 32 needs W8A8's int8 column tiles"):
+        resolve_group_size(32, has_tiles=False, measures_tile_rows=False)
+    # Groups take the tiles at every row count: no AMX-INT8 timing hands rows to oneDNN's GEMM.
+    assert not W8A8Kernels(library, measures_tile_rows=True, group_size=32).measures_tile_rows
+    for bad in (-2, 6, 30):
+        with pytest.raises(ValueError, match="--w8a8-group-size"):
+            WorkerConfig(quantization="w8a8", w8a8_group_size=bad)
 
 
 def test_tiles_refuse_what_they_do_not_multiply(kernels):
@@ -93,23 +176,26 @@ def test_rows_past_the_gemv_take_the_tiles_with_the_onednn_paths_result(kernels,
     assert calls == []
 
 
-@pytest.mark.parametrize("num_requests", [20, 5, 1])
-def test_the_w8a8_stack_gives_the_layer_paths_hidden_states_bit_for_bit(tiny_llama_dir, kernels, num_requests):
+@pytest.mark.parametrize("num_requests,group_size", [(20, -1), (5, -1), (1, -1), (20, 0)])
+def test_the_w8a8_stack_gives_the_layer_paths_hidden_states_bit_for_bit(tiny_llama_dir, kernels, num_requests,
+                                                                         group_size):
     """Decode steps of 20, 5 and 1 rows run on the stack's int8 tiles (W8A8 takes them from one
     row, the int8 GEMV none), with the layer path's hidden states (which takes the same kernels, one
     call each)."""
     if cpu_has_amx_int8():
         pytest.skip("on an AMX-INT8 CPU W8A8's tiles stop at each shape's measured rows (tested with it stubbed)")
-    fused_runner = _runner(tiny_llama_dir, torch.bfloat16, "w8a8", fused=True, max_num_seqs=32)
+    fused_runner = _runner(tiny_llama_dir, torch.bfloat16, "w8a8", fused=True, max_num_seqs=32,
+                           w8a8_group_size=group_size)
     stack = fused_runner.model.model.decode_stack
     assert stack is not None and stack.weight_kind == WEIGHTS_INT8_TILES and stack.max_gemv_rows == 0
+    assert stack.act_group_size == (DEFAULT_W8A8_GROUP_SIZE if group_size == -1 else group_size)
     weights = [layer.mlp.down_proj.int8_weight for layer in fused_runner.model.model.layers]
     assert all(w.tiles is not None and w.max_gemv_rows == 0 for w in weights)
     prompt_lens = [1 + i % 2 for i in range(num_requests)]  # one prefill step within the 32-token budget
     fused, fused_tokens = _run(fused_runner, prompt_lens, max_tokens=6)
     assert fused.stack_rows and max(fused.stack_rows) == num_requests
-    layered, layered_tokens = _run(_runner(tiny_llama_dir, torch.bfloat16, "w8a8", fused=False, max_num_seqs=32),
-                                   prompt_lens, max_tokens=6)
+    layered, layered_tokens = _run(_runner(tiny_llama_dir, torch.bfloat16, "w8a8", fused=False, max_num_seqs=32,
+                                           w8a8_group_size=group_size), prompt_lens, max_tokens=6)
     assert fused_tokens == layered_tokens
     assert len(fused.hidden) == len(layered.hidden)
     assert all(torch.equal(a, b) for a, b in zip(fused.hidden, layered.hidden))
@@ -157,8 +243,9 @@ def test_an_amx_int8_cpu_takes_the_tiles_up_to_each_shapes_measured_rows(tiny_ll
     fused, tokens = _run(runner, prompt_lens, max_tokens=6)
     assert fused.stack_rows == [] or max(fused.stack_rows) <= 8
     monkeypatch.setattr(cpu_platform, "cpu_has_amx_int8", lambda: False)
-    _, untimed_tokens = _run(_runner(tiny_llama_dir, torch.bfloat16, "w8a8", fused=True, max_num_seqs=32),
-                             prompt_lens, max_tokens=6)
+    # AMX-INT8 keeps one activation scale per row (auto): so must the untimed run.
+    untimed = _runner(tiny_llama_dir, torch.bfloat16, "w8a8", fused=True, max_num_seqs=32, w8a8_group_size=0)
+    _, untimed_tokens = _run(untimed, prompt_lens, max_tokens=6)
     assert tokens == untimed_tokens
 
 

@@ -33,8 +33,8 @@ void gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint1
                int64_t k);
 int gemm_tiles_bf16(const uint16_t *x, const uint16_t *wt, const uint16_t *bias, uint16_t *y, int64_t m_size,
                     int64_t n_size, int64_t k_size);
-int int8_tiles_bf16(const uint16_t *x, const int8_t *wt, const float *w_scales, const uint16_t *bias, uint16_t *y,
-                    int64_t m_size, int64_t n_size, int64_t k_size);
+int int8_tiles_bf16(const uint16_t *x, const uint8_t *wt, const float *w_scales, const uint16_t *bias, uint16_t *y,
+                    int64_t m_size, int64_t n_size, int64_t k_size, int64_t group_size);
 int gemv_int8_f32(const float *x, const int8_t *q, const float *scales, const float *bias, float *y, int64_t m,
                   int64_t n, int64_t k);
 int gemv_int8_bf16(const uint16_t *x, const int8_t *q, const float *scales, const uint16_t *bias, uint16_t *y,
@@ -79,6 +79,7 @@ typedef struct {
   void **tiles[NUM_PROJ];
   int64_t max_gemv_rows;
   int64_t kv_block_bytes, num_blocks;
+  int64_t act_group_size; /* WEIGHTS_INT8_TILES: the tiles' activation groups (0: per row) */
 } DecodeStack;
 
 /* y [m, n] = x [m, k] W^T (+ b) for projection p of layer l. Returns the GEMV's status. */
@@ -92,7 +93,7 @@ static int project_bf16(const DecodeStack *s, int p, int64_t l, const uint16_t *
   if (s->weight_kind == WEIGHTS_INT8 || (s->weight_kind == WEIGHTS_INT8_TILES && m <= s->max_gemv_rows))
     return gemv_int8_bf16(x, s->weight[p][l], s->scales[p][l], s->bias[p][l], y, m, n, k);
   if (s->weight_kind == WEIGHTS_INT8_TILES)
-    return int8_tiles_bf16(x, s->tiles[p][l], s->scales[p][l], s->bias[p][l], y, m, n, k);
+    return int8_tiles_bf16(x, s->tiles[p][l], s->scales[p][l], s->bias[p][l], y, m, n, k, s->act_group_size);
   if (s->weight_kind == WEIGHTS_BF16_TILES) return gemm_tiles_bf16(x, s->weight[p][l], s->bias[p][l], y, m, n, k);
   gemv_bf16(x, s->weight[p][l], s->bias[p][l], y, m, n, k);
   return 0;

@@ -1,15 +1,24 @@
-/* W8A8 matmuls of a few dozen to a few hundred rows on VNNI (`--quantization w8a8`): y [M, N] =
- * dequantize(quantize(x) W^T) for bfloat16 x, int8 W with a float32 scale per output channel.
+/* W8A8 matmuls on VNNI (`--quantization w8a8`): y [M, N] = dequantize(quantize(x) W^T) for
+ * bfloat16 x, int8 W with a float32 scale per output channel.
  *
  * oneDNN's int8 GEMM (w8a8.py) ran a 40-row decode step of SmolLM2-135M slower than the bfloat16
  * column tiles (gemm_tiles.c), which read twice the bytes: these are the same column tiles for
  * VPDPBUSD. The weight is packed once into tiles of 16 output columns, each [ceil(K/4)][16][4]
- * (every 4 input positions of the 16 columns side by side: one zmm), after the tile's int32
- * column sums. x's rows are quantized as w8a8.c quantizes them (int8_quant.h: per row, symmetric)
- * and offset by 128 into uint8, which VPDPBUSD multiplies by int8; sum_k (q_k + 128) w_k less 128
- * times the column sum is then exactly the int32 sum oneDNN returns, and the rows are scaled back
- * by w8a8.c's own row pass, so the output equals the oneDNN path's bit for bit. MR rows by TN tiles
- * of int32 accumulators, a thread's panel of TN tiles streamed once, as in gemm_tiles.c. */
+ * (every 4 input positions of the 16 columns side by side: one zmm), offset by 128 into uint8,
+ * which VPDPBUSD multiplies by the int8 activations (broadcast from memory, four at a time);
+ * sum_k (w_k + 128) q_k less 128 times the sum of the row's q is the int32 sum oneDNN returns.
+ *
+ * x's rows are quantized in groups of `group_size` values (int8_quant.h's symmetric rule per
+ * group), a group never smaller than 4 or split inside a quad:
+ * - One group per row (group_size 0 or >= K) is w8a8.c's per-row rule: the row's int32 sums are
+ *   exact and are scaled back by w8a8.c's own row pass, so the output equals the oneDNN path's
+ *   bit for bit.
+ * - Smaller groups (OpenVINO's CPU plugin quantizes activations in groups of 32) move greedy output
+ *   less, as one outlier no longer coarsens the whole row: each group's int32 sums are converted
+ *   and added in float32 times that group's scale, and the 128 offset is taken off once per row
+ *   (128 sum_g scale_g sum(q in g), a float32 per row).
+ * MR rows by TN tiles of accumulators, a thread's panel of TN tiles streamed once, as in
+ * gemm_tiles.c; groups keep float32 sums beside the int32 ones, so take fewer rows and tiles. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,7 +26,11 @@
 #include "int8_quant.h"
 
 #define TILE 16
-#define MR 8
+#define MR 8   /* rows per block, one group per row */
+/* With groups, float32 sums beside the int32 ones: MR_G rows by TN_G tiles of each, within the
+ * panel. At 40-2,048 rows 6 x 2 ran 1.0-1.2x faster than 4 x 3, 5 x 2, 7 x 2, 8 x 1 and 8 x 2. */
+#define MR_G 6
+#define TN_G 2
 #define TN 3
 #define PREFETCH_QUADS 16          /* 64-byte lines of a tile prefetched ahead, into L2 */
 #define MIN_PARALLEL_WEIGHTS 65536 /* below this a thread team costs more than it saves */
@@ -25,135 +38,211 @@
 
 static inline int64_t num_quads(int64_t k_size) { return (k_size + 3) / 4; }
 static inline int64_t num_tiles(int64_t n_size) { return (n_size + TILE - 1) / TILE; }
-/* Bytes of one tile: its 16 int32 column sums, then its quads. */
-static inline int64_t tile_bytes(int64_t k_size) { return TILE * 4 + num_quads(k_size) * TILE * 4; }
+static inline int64_t tile_bytes(int64_t k_size) { return num_quads(k_size) * TILE * 4; }
 
 int64_t int8_tiles_nbytes(int64_t n_size, int64_t k_size) { return num_tiles(n_size) * tile_bytes(k_size); }
 
-/* w [n_size, k_size] int8 row-major -> out: per tile, int32 sums [16] of its columns, then
- * [quads][16][4]; zeros past N and K. */
-void int8_tiles_pack(const int8_t *w, int8_t *out, int64_t n_size, int64_t k_size) {
+/* w [n_size, k_size] int8 row-major -> out: per tile [quads][16][4] of w + 128 as uint8; 128 (a
+ * zero weight) past N and K. */
+void int8_tiles_pack(const int8_t *w, uint8_t *out, int64_t n_size, int64_t k_size) {
   const int64_t kq = num_quads(k_size), tiles = num_tiles(n_size), stride = tile_bytes(k_size);
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < tiles; t++) {
-    int8_t *tile = out + t * stride;
-    int32_t sums[TILE];
-    for (int c = 0; c < TILE; c++) {
-      const int64_t n = t * TILE + c;
-      int32_t s = 0;
-      for (int64_t k = 0; n < n_size && k < k_size; k++) s += w[n * k_size + k];
-      sums[c] = s;
-    }
-    memcpy(tile, sums, sizeof sums);
+    uint8_t *tile = out + t * stride;
     for (int64_t q = 0; q < kq; q++)
       for (int c = 0; c < TILE; c++)
         for (int h = 0; h < 4; h++) {
           const int64_t n = t * TILE + c, k = 4 * q + h;
-          tile[TILE * 4 + (q * TILE + c) * 4 + h] = (n < n_size && k < k_size) ? w[n * k_size + k] : 0;
+          tile[(q * TILE + c) * 4 + h] = (uint8_t)((n < n_size && k < k_size ? w[n * k_size + k] : 0) + 128);
         }
   }
+}
+
+/* The group size the kernel takes: whole quads, one group per row for 0 or >= k_size. */
+static inline int64_t quads_per_group(int64_t group_size, int64_t k_size) {
+  const int64_t kq = num_quads(k_size);
+  if (group_size <= 0 || group_size >= k_size) return kq;
+  return group_size < 4 ? 1 : group_size / 4;
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 #include <immintrin.h>
 
-/* acc + VPDPBUSD(u, s) (as _mm512_dpbusd_epi32), as an asm statement: around the intrinsic GCC 12
- * copied each accumulator to another register and back for every product of the loop, and the
- * tiles ran 1.4x slower (40 rows: 13.9 against 9.7 ms for 30 layers' matmuls). */
-static inline __attribute__((always_inline)) __m512i dpbusd(__m512i acc, __m512i u, __m512i s) {
-  __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
+/* acc + VPDPBUSD(w, four int8 at x broadcast): as an asm statement, with the broadcast folded into
+ * the instruction. Around the intrinsic GCC 12 copied each accumulator to another register and
+ * back for every product of the loop, and the tiles ran 1.4x slower. */
+static inline __attribute__((always_inline)) __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t *x) {
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)x));
   return acc;
 }
 
-/* int32 sums [num_m][TN][16] of uint8 rows xq [num_m, 4 kq] against tiles [num_t] at wt, less 128
- * times each column's sum. Inlined with constant num_m and num_t (accumulators in registers). */
-static inline __attribute__((always_inline)) void block(const uint8_t *xq, int64_t x_stride, const int8_t *wt,
-                                                        int64_t kq, int64_t stride, int num_m, int num_t,
-                                                        int32_t *sums) {
+/* int32 sums of quads [q0, q1) of uint8 rows xq [num_m] against num_t tiles at wt, added to acc. */
+#define DOT_QUADS(ROWS)                                                       \
+  for (int64_t q = q0; q < q1; q++) {                                         \
+    __m512i w[TN];                                                            \
+    for (int t = 0; t < num_t; t++) {                                         \
+      const uint8_t *quad = wt + t * stride + q * TILE * 4;                   \
+      w[t] = _mm512_loadu_si512(quad);                                        \
+      __builtin_prefetch(quad + PREFETCH_QUADS * TILE * 4, 0, 1);             \
+    }                                                                         \
+    for (int m = 0; m < (ROWS); m++)                                          \
+      for (int t = 0; t < num_t; t++)                                         \
+        acc[m][t] = dpbusd_bcast(acc[m][t], w[t], xq + m * x_stride + 4 * q); \
+  }
+
+/* One group per row: exact int32 sums [num_m][TN][16], less 128 times each row's sum of q.
+ * Inlined with constant num_m and num_t (accumulators in registers). */
+static inline __attribute__((always_inline)) void block_rows(const int8_t *xq, int64_t x_stride,
+                                                             const int32_t *x_sums, const uint8_t *wt, int64_t kq,
+                                                             int64_t stride, int num_m, int num_t, int32_t *sums) {
   __m512i acc[MR][TN];
   for (int m = 0; m < num_m; m++)
     for (int t = 0; t < num_t; t++) acc[m][t] = _mm512_setzero_si512();
-  for (int64_t q = 0; q < kq; q++) {
-    __m512i w[TN];
-    for (int t = 0; t < num_t; t++) {
-      const int8_t *quad = wt + t * stride + TILE * 4 + q * TILE * 4;
-      w[t] = _mm512_loadu_si512(quad);
-      __builtin_prefetch(quad + PREFETCH_QUADS * TILE * 4, 0, 1);
-    }
-    for (int m = 0; m < num_m; m++) {
-      int32_t four;
-      memcpy(&four, xq + m * x_stride + 4 * q, sizeof four);
-      const __m512i xb = _mm512_set1_epi32(four);
-      for (int t = 0; t < num_t; t++) acc[m][t] = dpbusd(acc[m][t], xb, w[t]);
-    }
-  }
-  for (int t = 0; t < num_t; t++) {
-    const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(wt + t * stride), 7); /* 128 x column sums */
-    for (int m = 0; m < num_m; m++)
+  const int64_t q0 = 0, q1 = kq;
+  DOT_QUADS(num_m)
+  for (int m = 0; m < num_m; m++) {
+    const __m512i offset = _mm512_set1_epi32(x_sums[m] * 128);
+    for (int t = 0; t < num_t; t++)
       _mm512_storeu_si512(sums + (m * TN + t) * TILE, _mm512_sub_epi32(acc[m][t], offset));
   }
 }
 
-#define BLOCK_CASES(NT)                                                            \
-  switch (num_m) {                                                                 \
-    case 1: block(xm, x_stride, w, kq, stride, 1, NT, sums); break;                \
-    case 2: block(xm, x_stride, w, kq, stride, 2, NT, sums); break;                \
-    case 3: block(xm, x_stride, w, kq, stride, 3, NT, sums); break;                \
-    case 4: block(xm, x_stride, w, kq, stride, 4, NT, sums); break;                \
-    case 5: block(xm, x_stride, w, kq, stride, 5, NT, sums); break;                \
-    case 6: block(xm, x_stride, w, kq, stride, 6, NT, sums); break;                \
-    case 7: block(xm, x_stride, w, kq, stride, 7, NT, sums); break;                \
-    default: block(xm, x_stride, w, kq, stride, MR, NT, sums); break;              \
+/* Groups of gq quads: float32 sums [num_m][num_t][16] (rows TN tiles apart) of each group's int32
+ * sums times its scale (x_scales [num_m][num_groups]), the 128 offset still in them. */
+static inline __attribute__((always_inline)) void block_groups(const int8_t *xq, int64_t x_stride,
+                                                               const float *x_scales, int64_t num_groups,
+                                                               const uint8_t *wt, int64_t kq, int64_t gq,
+                                                               int64_t stride, int num_m, int num_t, float *sums) {
+  __m512 f[MR_G][TN_G];
+  for (int m = 0; m < num_m; m++)
+    for (int t = 0; t < num_t; t++) f[m][t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < num_groups; g++) {
+    const int64_t q0 = g * gq, q1 = q0 + gq < kq ? q0 + gq : kq;
+    __m512i acc[MR_G][TN_G];
+    for (int m = 0; m < num_m; m++)
+      for (int t = 0; t < num_t; t++) acc[m][t] = _mm512_setzero_si512();
+    DOT_QUADS(num_m)
+    for (int m = 0; m < num_m; m++) {
+      const __m512 scale = _mm512_set1_ps(x_scales[m * num_groups + g]);
+      for (int t = 0; t < num_t; t++) f[m][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m][t]), scale, f[m][t]);
+    }
+  }
+  for (int m = 0; m < num_m; m++)
+    for (int t = 0; t < num_t; t++) _mm512_storeu_ps(sums + (m * TN + t) * TILE, f[m][t]);
+}
+
+#define ROWS_CASES(NT)                                                                \
+  switch (num_m) {                                                                    \
+    case 1: block_rows(xm, x_stride, sm, w, kq, stride, 1, NT, isums); break;         \
+    case 2: block_rows(xm, x_stride, sm, w, kq, stride, 2, NT, isums); break;         \
+    case 3: block_rows(xm, x_stride, sm, w, kq, stride, 3, NT, isums); break;         \
+    case 4: block_rows(xm, x_stride, sm, w, kq, stride, 4, NT, isums); break;         \
+    case 5: block_rows(xm, x_stride, sm, w, kq, stride, 5, NT, isums); break;         \
+    case 6: block_rows(xm, x_stride, sm, w, kq, stride, 6, NT, isums); break;         \
+    case 7: block_rows(xm, x_stride, sm, w, kq, stride, 7, NT, isums); break;         \
+    default: block_rows(xm, x_stride, sm, w, kq, stride, MR, NT, isums); break;       \
   }
 
-/* x [m_size, k_size] bfloat16, wt from int8_tiles_pack, w_scales [n_size], bias [n_size] bfloat16
- * or NULL -> y [m_size, n_size] bfloat16. Returns 0, or -1 where memory ran out. */
-int int8_tiles_bf16(const uint16_t *x, const int8_t *wt, const float *w_scales, const uint16_t *bias, uint16_t *y,
-                    int64_t m_size, int64_t n_size, int64_t k_size) {
+#define GROUPS_CASE(M, NT) \
+  block_groups(xm, x_stride, scm, num_groups, w + ts * stride, kq, gq, stride, M, NT, fsums + ts * TILE)
+#define GROUPS_CASES(NT)                            \
+  switch (num_m) {                                  \
+    case 1: GROUPS_CASE(1, NT); break;              \
+    case 2: GROUPS_CASE(2, NT); break;              \
+    case 3: GROUPS_CASE(3, NT); break;              \
+    case 4: GROUPS_CASE(4, NT); break;              \
+    case 5: GROUPS_CASE(5, NT); break;              \
+    default: GROUPS_CASE(MR_G, NT); break;          \
+  }
+
+/* y[c] = (f[c] - offset) * w_scales[c] (+ bias[c]) in float32, rounded once to bfloat16. */
+static void dequantize_row_groups_bf16(const float *f, float offset, const float *w_scales, const uint16_t *bias,
+                                       uint16_t *y, int64_t n) {
+#pragma omp simd
+  for (int64_t c = 0; c < n; c++)
+    y[c] = f32_to_bf16((f[c] - offset) * w_scales[c] + (bias ? bf16_to_f32(bias[c]) : 0.f));
+}
+
+/* x [m_size, k_size] bfloat16 in groups of group_size values (0: one per row), wt from
+ * int8_tiles_pack, w_scales [n_size], bias [n_size] bfloat16 or NULL -> y [m_size, n_size]
+ * bfloat16. Returns 0, or -1 where memory ran out. */
+int int8_tiles_bf16(const uint16_t *x, const uint8_t *wt, const float *w_scales, const uint16_t *bias, uint16_t *y,
+                    int64_t m_size, int64_t n_size, int64_t k_size, int64_t group_size) {
   const int64_t kq = num_quads(k_size), x_stride = 4 * kq, stride = tile_bytes(k_size);
-  const int64_t num_panels = (num_tiles(n_size) + TN - 1) / TN;
-  uint8_t *xq = calloc((size_t)(m_size * x_stride), 1);
-  float *x_scales = malloc(sizeof(float) * (size_t)(m_size > 0 ? m_size : 1));
-  if (!xq || !x_scales) {
-    free(xq), free(x_scales);
+  const int64_t gq = quads_per_group(group_size, k_size), num_groups = (kq + gq - 1) / gq;
+  const int64_t num_panels = (num_tiles(n_size) + TN - 1) / TN, rows = m_size > 0 ? m_size : 1;
+  int8_t *xq = calloc((size_t)(rows * x_stride), 1);
+  float *x_scales = malloc(sizeof(float) * (size_t)(rows * num_groups));
+  int32_t *x_sums = malloc(sizeof(int32_t) * (size_t)rows);
+  float *offsets = malloc(sizeof(float) * (size_t)rows);
+  if (!xq || !x_scales || !x_sums || !offsets) {
+    free(xq), free(x_scales), free(x_sums), free(offsets);
     return -1;
   }
 #pragma omp parallel for schedule(static) if (m_size * k_size >= MIN_PARALLEL_ELEMENTS)
   for (int64_t r = 0; r < m_size; r++) {
-    int8_t *row = (int8_t *)(xq + r * x_stride);
-    quantize_row_int8_bf16(x + r * k_size, k_size, row, &x_scales[r]);
-    for (int64_t i = 0; i < k_size; i++) row[i] = (int8_t)((uint8_t)row[i] ^ 0x80); /* + 128 as uint8 */
+    int8_t *row = xq + r * x_stride;
+    int32_t row_sum = 0;
+    float offset = 0.f;
+    for (int64_t g = 0; g < num_groups; g++) {
+      const int64_t k0 = 4 * g * gq, k1 = k0 + 4 * gq < k_size ? k0 + 4 * gq : k_size;
+      float *scale = x_scales + r * num_groups + g;
+      quantize_row_int8_bf16(x + r * k_size + k0, k1 - k0, row + k0, scale);
+      int32_t sum = 0;
+      for (int64_t i = k0; i < k1; i++) sum += row[i];
+      row_sum += sum;
+      offset += 128.f * (*scale * (float)sum);
+    }
+    x_sums[r] = row_sum, offsets[r] = offset;
   }
 #pragma omp parallel for schedule(static) if (n_size * k_size >= MIN_PARALLEL_WEIGHTS)
-  for (int64_t g = 0; g < num_panels; g++) {
-    int32_t sums[MR * TN * TILE];
-    const int64_t t0 = g * TN;
+  for (int64_t p = 0; p < num_panels; p++) {
+    int32_t isums[MR * TN * TILE];
+    float fsums[MR * TN * TILE];
+    const int64_t t0 = p * TN, n0 = t0 * TILE;
     const int num_t = num_tiles(n_size) - t0 < TN ? (int)(num_tiles(n_size) - t0) : TN;
-    const int8_t *w = wt + t0 * stride;
-    for (int64_t m0 = 0; m0 < m_size; m0 += MR) {
-      const int num_m = m_size - m0 < MR ? (int)(m_size - m0) : MR;
-      const uint8_t *xm = xq + m0 * x_stride;
-      if (num_t == 3) BLOCK_CASES(3) else if (num_t == 2) BLOCK_CASES(2) else BLOCK_CASES(1)
-      const int64_t n0 = t0 * TILE;
-      const int64_t cols = n_size - n0 < num_t * TILE ? n_size - n0 : num_t * TILE;
+    const int64_t cols = n_size - n0 < num_t * TILE ? n_size - n0 : num_t * TILE;
+    const uint8_t *w = wt + t0 * stride;
+    const int64_t mr = num_groups == 1 ? MR : MR_G;
+    for (int64_t m0 = 0; m0 < m_size; m0 += mr) {
+      const int num_m = m_size - m0 < mr ? (int)(m_size - m0) : (int)mr;
+      const int8_t *xm = xq + m0 * x_stride;
+      const int32_t *sm = x_sums + m0;
+      const float *scm = x_scales + m0 * num_groups;
+      if (num_groups == 1) {
+        if (num_t == 3) ROWS_CASES(3) else if (num_t == 2) ROWS_CASES(2) else ROWS_CASES(1)
+      } else {
+        for (int ts = 0; ts < num_t; ts += TN_G) {
+          const int nt = num_t - ts < TN_G ? num_t - ts : TN_G;
+          if (nt == TN_G) GROUPS_CASES(TN_G) else GROUPS_CASES(1)
+        }
+      }
       for (int m = 0; m < num_m; m++) {
-        int32_t row[TN * TILE];
-        for (int t = 0; t < num_t; t++) memcpy(row + t * TILE, sums + (m * TN + t) * TILE, TILE * sizeof(int32_t));
-        dequantize_row_int32_bf16(row, x_scales[m0 + m], w_scales + n0, bias ? bias + n0 : NULL,
-                                  y + (m0 + m) * n_size + n0, cols);
+        const int64_t r = m0 + m;
+        uint16_t *y_row = y + r * n_size + n0;
+        const uint16_t *b = bias ? bias + n0 : NULL;
+        if (num_groups == 1) {
+          int32_t row[TN * TILE];
+          for (int t = 0; t < num_t; t++) memcpy(row + t * TILE, isums + (m * TN + t) * TILE, TILE * sizeof(int32_t));
+          dequantize_row_int32_bf16(row, x_scales[r], w_scales + n0, b, y_row, cols);
+        } else {
+          float row[TN * TILE];
+          for (int t = 0; t < num_t; t++) memcpy(row + t * TILE, fsums + (m * TN + t) * TILE, TILE * sizeof(float));
+          dequantize_row_groups_bf16(row, offsets[r], w_scales + n0, b, y_row, cols);
+        }
       }
     }
   }
-  free(xq), free(x_scales);
+  free(xq), free(x_scales), free(x_sums), free(offsets);
   return 0;
 }
 
 int int8_tiles_available(void) { return 1; }
 #else
 /* Built without AVX512_VNNI: W8A8 stays on oneDNN's int8 GEMM. */
-int int8_tiles_bf16(const uint16_t *x, const int8_t *wt, const float *w_scales, const uint16_t *bias, uint16_t *y,
-                    int64_t m_size, int64_t n_size, int64_t k_size) {
-  (void)x, (void)wt, (void)w_scales, (void)bias, (void)y, (void)m_size, (void)n_size, (void)k_size;
+int int8_tiles_bf16(const uint16_t *x, const uint8_t *wt, const float *w_scales, const uint16_t *bias, uint16_t *y,
+                    int64_t m_size, int64_t n_size, int64_t k_size, int64_t group_size) {
+  (void)x, (void)wt, (void)w_scales, (void)bias, (void)y, (void)m_size, (void)n_size, (void)k_size, (void)group_size;
   return -1;
 }
 

@@ -97,9 +97,9 @@ class Int8Weight:
             if (self.gemv is not None and x.shape[0] <= self.max_gemv_rows and x.dim() == 2
                     and x.dtype in Int8Gemv.DTYPES):
                 return self.gemv(x, self.qweight, self.scales, bias)
-            if self.tiles is not None and x.dim() == 2 and x.dtype == torch.bfloat16 \
-                    and x.shape[0] <= self.tiles.max_rows:
-                return self.w8a8.tiles(x, self.tiles, self.scales, bias)
+            rows = x.reshape(-1, x.shape[-1])
+            if self.tiles is not None and x.dtype == torch.bfloat16 and rows.shape[0] <= self.tiles.max_rows:
+                return self.w8a8.tiles(rows, self.tiles, self.scales, bias).reshape(*x.shape[:-1], self.shape[0])
             if self.w8a8 is not None:
                 return self._w8a8_linear(x, bias)
             use_int8pack = x.shape[0] <= self.max_int8pack_rows
@@ -282,4 +282,6 @@ def quantize_model(model: nn.Module, dtype: torch.dtype, native_bf16: bool,
         summary += f", W8A8 on int8 column tiles{limit} from one row"
         if len(tile_rows) < len(layers):
             summary += f" ({len(layers) - len(tile_rows)} weights on oneDNN's int8 GEMM instead)"
+    if w8a8 is not None and w8a8.group_size:
+        return summary + f", activations quantized in groups of {w8a8.group_size} (W8A8)"
     return summary + (", activations quantized per row above (W8A8, torch._int_mm)" if w8a8 is not None else "")

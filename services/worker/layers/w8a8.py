@@ -1,7 +1,7 @@
 """W8A8 matmuls (`--quantization w8a8`): int8 weights with a scale per output channel, as
-`--quantization int8` holds them, and activations quantized to int8 per row at each call (dynamic,
-symmetric: absmax / 127), so that a batch multiplies on the CPU's int8 dot products (VNNI, AMX-INT8)
-through PyTorch's int8 GEMM, `torch._int_mm` (oneDNN), instead of widening the weight to bfloat16.
+`--quantization int8` holds them, and activations quantized to int8 at each call (dynamic,
+symmetric: absmax / 127, per row or per group of a row's values, below), so that a batch
+multiplies on the CPU's int8 dot products (VNNI, AMX-INT8) through PyTorch's int8 GEMM, `torch._int_mm` (oneDNN), instead of widening the weight to bfloat16.
 
 On a 2-core Zen 4 (AVX512_VNNI) `_int_mm` ran SmolLM2-135M's layer shapes 1.6x (32 rows) to 2x
 (256 rows) faster than oneDNN's prepacked bf16 GEMM (32 x 576 -> 3072: 106 against 176 us); the
@@ -10,13 +10,18 @@ stream the weight, so without the tiles below `Int8Weight` keeps up to 16 on the
 GEMV (activations unquantized) and hands more rows here.
 
 Where the library is built with AVX512_VNNI, each weight is also packed once into int8 column
-tiles (`Int8TiledWeight`, csrc/gemm_int8_tiles.c): the same quantized rows and int32 sums as
-`_int_mm`, scaled back by the same row pass, so bit-identical, and faster at every row count
+tiles (`Int8TiledWeight`, csrc/gemm_int8_tiles.c), faster than `_int_mm` at every row count
 measured (`MAX_INT8_TILE_ROWS`); with them W8A8 takes every row count, one row too
-(`quantize_model`). oneDNN's GEMM serves CPUs without AVX512_VNNI. With AMX-INT8, where oneDNN
-multiplies on the tile unit and may win, each weight shape's row limit on the tiles is measured at
-start-up instead (`Int8PathSelector.max_int8_tile_rows`, int8_linear.py); the products are the same
-either side of it.
+(`quantize_model`). oneDNN's GEMM serves CPUs without AVX512_VNNI. The tiles quantize activations
+in groups (`--w8a8-group-size`, 32 by default there, as OpenVINO's CPU plugin does): one scale per
+row moved greedy output about twice as far as OpenVINO's int8 pipeline (11.8 of 64 tokens kept
+against float32 on 32 chat prompts, groups of 32 17.8, OpenVINO 20.9), for 1.2-1.4x the matmul
+time from 8 rows. With one scale per row (group size 0) the tiles give `_int_mm`'s int32 sums, scaled back by
+the same row pass, so bit-identical; then, with AMX-INT8, where oneDNN multiplies on the tile unit
+and may win, each weight shape's row limit on the tiles is measured at start-up
+(`Int8PathSelector.max_int8_tile_rows`, int8_linear.py), the products the same either side of it.
+Groups have no oneDNN counterpart, so they take the tiles at every row count, and auto keeps rows
+per row where the tiles are missing or AMX-INT8 is there (`resolve_group_size`).
 
 `_int_mm` is only exact where oneDNN multiplies int8 without 16-bit intermediates: without VNNI
 (AVX2's VPMADDUBSW saturates pairs of products) its sums came out wrong for full-range int8, so the
@@ -35,6 +40,23 @@ _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 # 9.1 ms, 40 rows 7.9 / 14.5, 128 rows 19.4 / 24.7, 512 rows 67.9 / 73.9, 2,048 rows 287 / 300
 # (docs/benchmarks.md, "W8A8 column tiles").
 MAX_INT8_TILE_ROWS = 2**31 - 1
+# `--w8a8-group-size -1` (auto) where the tiles take every matmul: OpenVINO's CPU plugin quantizes
+# activations in groups of 32 too; 64 kept 15.9 tokens against 32's 17.8 for 0-11% less matmul
+# time (docs/benchmarks.md, "W8A8 activations in groups of 32").
+DEFAULT_W8A8_GROUP_SIZE = 32
+
+
+def resolve_group_size(requested: int, *, has_tiles: bool, measures_tile_rows: bool) -> int:
+    """The activation group size W8A8 runs with for `--w8a8-group-size requested`: groups need the
+    int8 tiles, which oneDNN's GEMM (per row) cannot stand in for. Auto keeps rows where the tiles
+    are missing or, with AMX-INT8, give way to oneDNN for large matmuls; an explicit size there is
+    refused."""
+    if requested == -1:
+        return DEFAULT_W8A8_GROUP_SIZE if has_tiles and not measures_tile_rows else 0
+    if requested > 0 and not has_tiles:
+        raise ValueError(f"--w8a8-group-size {requested} needs W8A8's int8 column tiles (AVX512_VNNI, "
+                         "--dtype bfloat16, --cpu-gemm-tiles), which this worker lacks; use --w8a8-group-size 0")
+    return requested
 
 
 @dataclass(frozen=True)
@@ -52,7 +74,8 @@ class W8A8Kernels:
 
     DTYPES = (torch.bfloat16, torch.float32)  # activations', which the output takes
 
-    def __init__(self, library: ctypes.CDLL, use_tiles: bool = True, measures_tile_rows: bool = False):
+    def __init__(self, library: ctypes.CDLL, use_tiles: bool = True, measures_tile_rows: bool = False,
+                 group_size: int = 0):
         self._quantize, self._dequantize = {}, {}
         for dtype, suffix in zip(self.DTYPES, ("bf16", "f32")):
             quantize = getattr(library, f"quantize_rows_int8_{suffix}")
@@ -62,9 +85,11 @@ class W8A8Kernels:
             self._quantize[dtype], self._dequantize[dtype] = quantize, dequantize
         self.has_tiles = use_tiles and bool(library.int8_tiles_available())  # AVX512_VNNI
         # AMX-INT8: each weight shape's rows on the tiles are timed against oneDNN's int8 GEMM.
-        self.measures_tile_rows = measures_tile_rows
+        self.measures_tile_rows = measures_tile_rows and group_size == 0
+        # The tiles quantize activations in groups of this many values (0: per row, as oneDNN's path).
+        self.group_size = group_size
         self._tiles, self._pack, self._nbytes = library.int8_tiles_bf16, library.int8_tiles_pack, library.int8_tiles_nbytes
-        self._tiles.argtypes, self._tiles.restype = [_P] * 5 + [_I64] * 3, ctypes.c_int
+        self._tiles.argtypes, self._tiles.restype = [_P] * 5 + [_I64] * 4, ctypes.c_int
         self._pack.argtypes, self._pack.restype = [_P, _P, _I64, _I64], None
         self._nbytes.argtypes, self._nbytes.restype = [_I64, _I64], _I64
 
@@ -87,7 +112,7 @@ class W8A8Kernels:
         out = torch.empty(x.shape[0], weight.n_size, dtype=torch.bfloat16)
         status = self._tiles(x.data_ptr(), weight.data.data_ptr(), w_scales.data_ptr(),
                              None if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0], weight.n_size,
-                             weight.k_size)
+                             weight.k_size, self.group_size)
         if status:
             raise MemoryError("int8 tiles: no memory for the quantized rows")
         return out

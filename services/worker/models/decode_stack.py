@@ -46,7 +46,7 @@ class _Plan(ctypes.Structure):
                 ("weight_kind", _I32), ("input_norm", _PP), ("post_norm", _PP), ("weight", _PP * 4),
                 ("scales", _PP * 4), ("bias", _PP * 4), ("key_cache", _PP), ("value_cache", _PP),
                 ("final_norm", _P), ("tiles", _PP * 4), ("max_gemv_rows", _I64), ("kv_block_bytes", _I64),
-                ("num_blocks", _I64)]
+                ("num_blocks", _I64), ("act_group_size", _I64)]
 
 
 class DecodeLayersKernel:
@@ -75,11 +75,12 @@ class DecodeStack:
     def __init__(self, model: LlamaModel, kernel: DecodeLayersKernel, dtype: torch.dtype, weight_kind: int,
                  projections: list[list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
                                               torch.Tensor | None]]],
-                 max_num_rows: int, max_gemv_rows: int = 0, kv_int8: bool = False):
+                 max_num_rows: int, max_gemv_rows: int = 0, kv_int8: bool = False, act_group_size: int = 0):
         self.model, self.dtype, self.weight_kind = model, dtype, weight_kind
         self.kv_int8 = kv_int8  # the int8 cache (its writer and kernel), else one in the activations' dtype
         self.max_num_rows = max_num_rows
         self.max_gemv_rows = max_gemv_rows  # WEIGHTS_INT8_TILES: the int8 GEMV's rows, the tiles' above
+        self.act_group_size = act_group_size  # WEIGHTS_INT8_TILES: W8A8's activation groups (0: per row)
         self._function = kernel.function(dtype)
         self._projections = projections  # per layer: (weight, scales, bias, tiles) of qkv, o, gate_up, down
         self._attns = [layer.self_attn.attn for layer in model.layers]  # read every step: no module lookups
@@ -120,7 +121,8 @@ class DecodeStack:
                      intermediate=mlp.down_proj.input_size, block_size=block_size,
                      eps=first.input_layernorm.eps, scale=attn.scale, weight_kind=self.weight_kind,
                      final_norm=self.model.norm.weight.data_ptr(), max_gemv_rows=self.max_gemv_rows,
-                     kv_block_bytes=block_bytes, num_blocks=caches[0].shape[1], **arrays)
+                     kv_block_bytes=block_bytes, num_blocks=caches[0].shape[1],
+                     act_group_size=self.act_group_size, **arrays)
         for name, arrays_of_part in zip(("weight", "scales", "bias", "tiles"), per_proj):
             field = getattr(plan, name)
             for i, array in enumerate(arrays_of_part):
@@ -159,7 +161,7 @@ def attach_decode_stack(model: LlamaModel, kernel: DecodeLayersKernel) -> str:
     dtype = model.norm.weight.dtype
     if dtype not in _SUFFIXES:
         return f"activations in {dtype}"
-    kinds, projections, max_rows, gemv_rows = set(), [], [], []
+    kinds, projections, max_rows, gemv_rows, group_sizes = set(), [], [], [], set()
     kv_int8 = isinstance(model.layers[0].self_attn.attn.backend, Int8CacheCpuBackend)
     for layer in model.layers:
         attn = layer.self_attn.attn
@@ -176,15 +178,19 @@ def attach_decode_stack(model: LlamaModel, kernel: DecodeLayersKernel) -> str:
             max_rows.append(_max_rows(proj, entry[0]))
             if entry[0] == WEIGHTS_INT8_TILES:
                 gemv_rows.append(proj.int8_weight.max_gemv_rows)
+                group_sizes.add(proj.int8_weight.w8a8.group_size)
             row.append(entry[1:])
         projections.append(row)
     if len(kinds) != 1:
         return "bfloat16 and int8 GEMVs mixed"
     if len(set(gemv_rows)) > 1:
         return "int8 GEMV row limits differ between W8A8 weights"
+    if len(group_sizes) > 1:
+        return "W8A8 activation groups differ between weights"
     # Every layer's matmuls must be on their GEMV at the stack's row counts.
     model.decode_stack = DecodeStack(model, kernel, dtype, kinds.pop(), projections, min(max_rows),
-                                     gemv_rows[0] if gemv_rows else 0, kv_int8=kv_int8)
+                                     gemv_rows[0] if gemv_rows else 0, kv_int8=kv_int8,
+                                     act_group_size=group_sizes.pop() if group_sizes else 0)
     return ""
 
 

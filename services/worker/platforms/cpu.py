@@ -43,7 +43,7 @@ from services.worker.layers.layer_ops import LayerOps, TorchLayerOps
 from services.worker.layers.linear import (MAX_GEMV_ROWS, LinearBase, add_float32_copies, can_prepack,
                                           prepack_cpu_weights)
 from services.worker.layers.tile_rows import TileRowSelector
-from services.worker.layers.w8a8 import W8A8Kernels, int_mm_is_exact
+from services.worker.layers.w8a8 import W8A8Kernels, int_mm_is_exact, resolve_group_size
 from services.worker.models.decode_stack import DecodeLayersKernel
 from services.worker.platforms.cpu_malloc import keep_step_memory
 from services.worker.platforms.interface import AttentionHeads, Platform
@@ -118,7 +118,11 @@ class CpuPlatform(Platform):
             if not int_mm_is_exact():
                 raise ValueError("--quantization w8a8: torch._int_mm does not multiply int8 exactly on this CPU "
                                  "(it needs AVX512_VNNI, AVX_VNNI or AMX-INT8); use --quantization int8")
-            w8a8 = W8A8Kernels(kernels, config.cpu_gemm_tiles, measures_tile_rows=cpu_has_amx_int8())
+            has_tiles = config.cpu_gemm_tiles and dtype == torch.bfloat16 and W8A8Kernels(kernels).has_tiles
+            group_size = resolve_group_size(config.w8a8_group_size, has_tiles=has_tiles,
+                                            measures_tile_rows=cpu_has_amx_int8())
+            w8a8 = W8A8Kernels(kernels, config.cpu_gemm_tiles, measures_tile_rows=cpu_has_amx_int8(),
+                               group_size=group_size)
         return cls(dtype, backend, layer_ops, kv_cache_bytes=config.kv_cache_bytes,
                    float32_copy=config.cpu_float32_copy, sampler=sampler, quantization=config.quantization,
                    gemv=Gemv(kernels, config.cpu_gemm_tiles) if gemv_on else None,
