@@ -1,7 +1,8 @@
 """W8A8 matmuls (`--quantization w8a8`): int8 weights with a scale per output channel, as
 `--quantization int8` holds them, and activations quantized to int8 at each call (dynamic,
 symmetric: absmax / 127, per row or per group of a row's values, below), so that a batch
-multiplies on the CPU's int8 dot products (VNNI, AMX-INT8) through PyTorch's int8 GEMM, `torch._int_mm` (oneDNN), instead of widening the weight to bfloat16.
+multiplies on the CPU's int8 dot products (VNNI, AMX-INT8) through PyTorch's int8 GEMM,
+`torch._int_mm` (oneDNN), instead of widening the weight to bfloat16.
 
 On a 2-core Zen 4 (AVX512_VNNI) `_int_mm` ran SmolLM2-135M's layer shapes 1.6x (32 rows) to 2x
 (256 rows) faster than oneDNN's prepacked bf16 GEMM (32 x 576 -> 3072: 106 against 176 us); the
@@ -16,12 +17,12 @@ measured (`MAX_INT8_TILE_ROWS`); with them W8A8 takes every row count, one row t
 in groups (`--w8a8-group-size`, 32 by default there, as OpenVINO's CPU plugin does): one scale per
 row moved greedy output about twice as far as OpenVINO's int8 pipeline (11.8 of 64 tokens kept
 against float32 on 32 chat prompts, groups of 32 17.8, OpenVINO 20.9), for 1.2-1.4x the matmul
-time from 8 rows. With one scale per row (group size 0) the tiles give `_int_mm`'s int32 sums, scaled back by
-the same row pass, so bit-identical; then, with AMX-INT8, where oneDNN multiplies on the tile unit
-and may win, each weight shape's row limit on the tiles is measured at start-up
+time from 8 rows. With one scale per row (group size 0) the tiles give `_int_mm`'s int32 sums,
+scaled back by the same row pass, so bit-identical; then, with AMX-INT8, where oneDNN multiplies
+on the tile unit and may win, each weight shape's row limit on the tiles is measured at start-up
 (`Int8PathSelector.max_int8_tile_rows`, int8_linear.py), the products the same either side of it.
-Groups have no oneDNN counterpart, so they take the tiles at every row count, and auto keeps rows
-per row where the tiles are missing or AMX-INT8 is there (`resolve_group_size`).
+Groups have no oneDNN counterpart, so they take the tiles at every row count, and auto keeps one
+scale per row where the tiles are missing or AMX-INT8 is there (`resolve_group_size`).
 
 `_int_mm` is only exact where oneDNN multiplies int8 without 16-bit intermediates: without VNNI
 (AVX2's VPMADDUBSW saturates pairs of products) its sums came out wrong for full-range int8, so the
@@ -61,7 +62,7 @@ def resolve_group_size(requested: int, *, has_tiles: bool, measures_tile_rows: b
 
 @dataclass(frozen=True)
 class Int8TiledWeight:
-    """An int8 weight [n_size, k_size] in gemm_int8_tiles.c's packed column tiles (column sums first)."""
+    """An int8 weight [n_size, k_size] in gemm_int8_tiles.c's packed column tiles (offset into uint8)."""
 
     data: torch.Tensor  # int8 bytes
     n_size: int
