@@ -3,7 +3,10 @@ OpenVINO GenAI's, on the same prompts, so that the throughput comparison is betw
 accuracy.
 
     flock /tmp/spindle-cpu.lock .venv/bin/python -m benchmarks.engine_drift [--max-tokens 64]
-        [--configs float32-kv8,bf16,bf16-kv8,w8a8,w8a8-kv8,w8a8-rows,w8a8-rows-kv8] [--no-openvino] [--out benchmarks/results/engine_drift.json]
+        [--configs float32-kv8,bf16,bf16-kv8,w8a8,w8a8-kv8] [--no-openvino]
+        [--out benchmarks/results/engine_drift.json]
+
+`--configs` takes any of `SPINDLE_CONFIGS` (w8a8-rows, w8a8-rows-kv8 and w8a8-g64 too).
 
 The 8 parity prompts of tests/e2e/test_default_model.py and 24 more (`MORE_PROMPTS`: eight prompts
 are too few, as a near-tie at the first token ends a row's agreement by chance), in the chat

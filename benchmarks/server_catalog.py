@@ -92,10 +92,10 @@ def make_servers(names: list[str], dtype: str, install: bool, bf16_max_concurren
             server.max_concurrency = bf16_max_concurrency
             servers.append(server)
         elif name in ("spindle-w8a8", "spindle-w8a8-rows"):
-            env = {"SPINDLE_DTYPE": "bfloat16", "SPINDLE_QUANTIZATION": "w8a8"}
-            if name == "spindle-w8a8-rows":
-                env["SPINDLE_W8A8_GROUP_SIZE"] = "0"
-            activations = ("per row" if name == "spindle-w8a8-rows" else
+            per_row = name == "spindle-w8a8-rows"
+            env = {"SPINDLE_DTYPE": "bfloat16", "SPINDLE_QUANTIZATION": "w8a8",
+                   **({"SPINDLE_W8A8_GROUP_SIZE": "0"} if per_row else {})}
+            activations = ("per row" if per_row else
                            "in groups of 32 on the int8 tiles (per row where the CPU lacks them)")
             server = SpindleServer(name, env=env,
                                    note="int8 matmul weights (per-channel scales); matmuls quantize their "
@@ -109,8 +109,9 @@ def make_servers(names: list[str], dtype: str, install: bool, bf16_max_concurren
             env = {"SPINDLE_DTYPE": "bfloat16", "SPINDLE_KV_CACHE_DTYPE": "int8"}
             if quantization != "none":
                 env["SPINDLE_QUANTIZATION"] = quantization
-            server = SpindleServer(name, env=env, note=f"{weights}, int8 KV cache (rows about their midpoint: a scale "
-                                                       f"and a midpoint per token and KV head); c<={bf16_max_concurrency} only")
+            server = SpindleServer(name, env=env,
+                                   note=f"{weights}, int8 KV cache (rows about their midpoint: a scale and a "
+                                        f"midpoint per token and KV head); c<={bf16_max_concurrency} only")
             server.max_concurrency = bf16_max_concurrency
             servers.append(server)
         elif name in ("transformers-serve", "llama-cpp", "openvino-bf16", "openvino-int8"):

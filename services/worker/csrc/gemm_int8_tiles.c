@@ -76,7 +76,7 @@ static inline __attribute__((always_inline)) __m512i dpbusd_bcast(__m512i acc, _
   return acc;
 }
 
-/* int32 sums of quads [q0, q1) of uint8 rows xq [num_m] against num_t tiles at wt, added to acc. */
+/* int32 sums of quads [q0, q1) of int8 rows xq [num_m] against num_t uint8 tiles at wt, added to acc. */
 #define DOT_QUADS(ROWS)                                                       \
   for (int64_t q = q0; q < q1; q++) {                                         \
     __m512i w[TN];                                                            \

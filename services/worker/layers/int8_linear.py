@@ -98,9 +98,11 @@ class Int8Weight:
             if (self.gemv is not None and x.shape[0] <= self.max_gemv_rows and x.dim() == 2
                     and x.dtype in Int8Gemv.DTYPES):
                 return self.gemv(x, self.qweight, self.scales, bias)
-            rows = x.reshape(-1, x.shape[-1])
-            if self.tiles is not None and x.dtype == torch.bfloat16 and rows.shape[0] <= self.tiles.max_rows:
-                return self.w8a8.tiles(rows, self.tiles, self.scales, bias).reshape(*x.shape[:-1], self.shape[0])
+            if self.tiles is not None and x.dtype == torch.bfloat16:
+                rows = x.reshape(-1, x.shape[-1])
+                if rows.shape[0] <= self.tiles.max_rows:
+                    out = self.w8a8.tiles(rows, self.tiles, self.scales, bias)
+                    return out.reshape(*x.shape[:-1], self.shape[0])
             if self.w8a8 is not None:
                 return self._w8a8_linear(x, bias)
             use_int8pack = x.shape[0] <= self.max_int8pack_rows
