@@ -29,12 +29,12 @@ def matmuls(library, gemv: Gemv, rows: list[int], group_sizes: list[int]) -> lis
     kernels = W8A8Kernels(library)
     weights = {name: [torch.randn(n, k).bfloat16() for _ in range(NUM_LAYERS)] for name, (n, k) in SHAPES.items()}
     int8 = {name: [quantize_per_channel(w.float()) for w in ws] for name, ws in weights.items()}
-    int8_tiles = {name: [kernels.pack_tiles(q) for q, _ in qs] for name, qs in int8.items()}
+    int8_tiles = {name: [kernels.pack_tiles(q, s) for q, s in qs] for name, qs in int8.items()}
     paths = {}
     for group_size in group_sizes:
         grouped = W8A8Kernels(library, group_size=group_size)
         paths[f"int8_tiles_g{group_size}" if group_size else "int8_tiles"] = \
-            lambda name, i, x, grouped=grouped: grouped.tiles(x, int8_tiles[name][i], int8[name][i][1])
+            lambda name, i, x, grouped=grouped: grouped.tiles(x, int8_tiles[name][i])
     paths["onednn_int8"] = lambda name, i, x: kernels.linear(x, *int8[name][i])
     if gemv.has_tiles:
         bf16_tiles = {name: [gemv.pack_tiles(w) for w in ws] for name, ws in weights.items()}

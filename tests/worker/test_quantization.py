@@ -14,7 +14,7 @@ from services.worker.attention.torch_backend import TorchAttentionBackend
 from services.worker.config import WorkerConfig, config_from_args
 from services.worker.layers import int8_linear
 from services.worker.layers.embedding import LMHead, VocabEmbedding
-from services.worker.layers.int8_kernels import dequantize, quantize_per_channel
+from services.worker.layers.int8_kernels import dequantize, has_int8pack_mm, int8pack_linear, quantize_per_channel
 from services.worker.layers.int8_linear import NO_LIMIT, Int8PathSelector, Int8Weight, quantize_model
 from services.worker.layers.layer_ops import TorchLayerOps
 from services.worker.layers.linear import Linear, QKVLinear
@@ -51,7 +51,7 @@ def _int8(native_bf16: bool = True, num_in: int = 64, max_rows: int = 4) -> Int8
 @pytest.mark.parametrize("use_int8pack", [True, False])
 def test_each_path_matches_the_dequantized_float_weight(native_bf16, dtype, atol, use_int8pack):
     int8 = _int8(native_bf16)
-    bias = torch.randn(96).to(dtype)
+    bias = torch.randn(96, generator=torch.Generator().manual_seed(1)).to(dtype)  # not the global RNG's state
     for num_rows in (1, 3, 17, 64):
         x = torch.randn(num_rows, 64, generator=torch.Generator().manual_seed(num_rows)).to(dtype)
         expected = F.linear(x.float(), dequantize(int8.qweight, int8.scales), bias.float())
@@ -81,6 +81,18 @@ def test_input_sizes_int8pack_mm_mishandles_always_widen():
     assert int8.max_int8pack_rows == 0 and Int8PathSelector().max_int8pack_rows(int8, torch.bfloat16) == 0
     x = torch.randn(2, 40)
     torch.testing.assert_close(int8.linear(x), F.linear(x, dequantize(int8.qweight, int8.scales)), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("offset_elements", [1, 4, 8, 16, 32])
+def test_int8pack_takes_rows_that_do_not_start_on_the_allocators_boundary(offset_elements):
+    """torch's int8pack_mm crashed the process on such a view (2-16 bytes past 32); it gets a copy."""
+    if not has_int8pack_mm():
+        pytest.skip("no int8pack_mm in this torch")
+    qweight, scales = quantize_per_channel(_weight())
+    rows = torch.randn(17 * 64 + 32, generator=torch.Generator().manual_seed(2)).bfloat16()
+    x = rows[offset_elements:offset_elements + 17 * 64].view(17, 64)
+    got = int8pack_linear(x, qweight, scales.bfloat16())
+    assert torch.equal(got, int8pack_linear(x.clone(), qweight, scales.bfloat16()))
 
 
 @pytest.mark.parametrize("widened_wins_from,expected", [

@@ -12,7 +12,7 @@ import torch
 from services.worker.attention.int8_kv_cache import quantize_int8_rows
 from services.worker.config import WorkerConfig, cpu_has_amx_int8, cpu_has_int8_dot
 from services.worker.layers.int8_gemv import MAX_INT8_GEMV_ROWS, Int8Gemv
-from services.worker.layers.int8_kernels import quantize_per_channel
+from services.worker.layers.int8_kernels import quantize_asymmetric, quantize_per_channel
 from services.worker.layers.int8_linear import Int8PathSelector, Int8Weight
 from services.worker.layers.w8a8 import DEFAULT_W8A8_GROUP_SIZE, W8A8Kernels, int_mm_is_exact, resolve_group_size
 from services.worker.models.decode_stack import WEIGHTS_INT8, WEIGHTS_INT8_TILES
@@ -60,7 +60,7 @@ def test_tiles_give_the_exact_products_scaled_back_as_the_onednn_path(kernels, n
         qweight[1, :] = -127
     scales = torch.rand(n_size, generator=g) * 0.01 + 1e-4
     bias = torch.randn(n_size, generator=g).bfloat16() if with_bias else None
-    got = kernels.tiles(x, kernels.pack_tiles(qweight), scales, bias)
+    got = kernels.tiles(x, kernels.pack_tiles(qweight, scales), bias)
     assert got.dtype == torch.bfloat16 and got.shape == (num_rows, n_size)
     assert torch.equal(got, _reference(kernels, x, qweight, scales, bias))
     if int_mm_is_exact() and k_size % 8 == 0:
@@ -68,7 +68,8 @@ def test_tiles_give_the_exact_products_scaled_back_as_the_onednn_path(kernels, n
 
 
 def _grouped_reference(x, qweight, scales, bias, group_size):
-    """float64 sum over groups of (group's int8 rows x weight) * group scale, as the tiles define it."""
+    """float64 sum over groups of (group's int8 rows x weight) * group scale, as the tiles define it;
+    qweight holds the weight's integers less their zero points (any integer dtype)."""
     out = torch.zeros(x.shape[0], qweight.shape[0], dtype=torch.float64)
     for k0 in range(0, x.shape[1], group_size):
         q, x_scales = quantize_int8_rows(x[:, k0:k0 + group_size].float())
@@ -99,13 +100,13 @@ def test_grouped_tiles_give_the_group_quantized_product_within_one_rounding(libr
                                                                              n_size, k_size):
     x, qweight, scales, bias = _operands(num_rows, n_size, k_size, seed=num_rows + k_size)
     grouped = W8A8Kernels(library, group_size=group_size)
-    got = grouped.tiles(x, grouped.pack_tiles(qweight), scales, bias)
+    got = grouped.tiles(x, grouped.pack_tiles(qweight, scales), bias)
     want = _grouped_reference(x, qweight, scales, bias, group_size)
     # bfloat16's rounding, and float32 sums whose terms (the 128 offset in them) reach |x| |W| + 128 |q|.
     magnitude = (x.double().abs() @ (qweight.double().abs() + 128).t()) * scales.double()
     assert ((got.double() - want).abs() <= want.abs() * 2**-8 + magnitude * 2**-20).all()
     if group_size >= k_size:  # one group: the per-row tiles bit for bit
-        assert torch.equal(got, kernels.tiles(x, kernels.pack_tiles(qweight), scales, bias))
+        assert torch.equal(got, kernels.tiles(x, kernels.pack_tiles(qweight, scales), bias))
 
 
 def test_groups_keep_the_values_an_outlier_flattens_per_row(library, kernels):
@@ -120,11 +121,55 @@ def test_groups_keep_the_values_an_outlier_flattens_per_row(library, kernels):
     qweight[:, 7] = 0  # the outlier's product is exact either way: the error is the rest of the row's
     scales = torch.full((96,), 1e-2)
     exact = (x.double() @ qweight.double().t()) * scales.double()
-    tiled = kernels.pack_tiles(qweight)
-    per_row = (kernels.tiles(x, tiled, scales).double() - exact).abs().mean()
+    tiled = kernels.pack_tiles(qweight, scales)
+    per_row = (kernels.tiles(x, tiled).double() - exact).abs().mean()
     grouped = W8A8Kernels(library, group_size=32)
-    in_groups = (grouped.tiles(x, tiled, scales).double() - exact).abs().mean()
+    in_groups = (grouped.tiles(x, tiled).double() - exact).abs().mean()
     assert in_groups * 3 < per_row  # measured 0.50 against 1.77
+
+
+def test_asymmetric_weights_keep_each_channel_within_half_a_step():
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(8, 96, generator=g)
+    weight[1] = weight[1].abs() + 0.5  # all positive: the range still takes in zero
+    weight[2] = -weight[2].abs()
+    weight[3] = 0.0
+    weight[4] = weight[4].abs() * 0.05 - 0.01  # lopsided: a symmetric step spans twice the range used
+    weight[5, ::3] = 0.0
+    u, zero_points, scales = quantize_asymmetric(weight)
+    assert u.dtype == torch.uint8 and zero_points.dtype == torch.int32 and scales.dtype == torch.float32
+    assert ((zero_points >= 0) & (zero_points <= 255)).all()
+    assert zero_points[1] == 0 and zero_points[2] == 255
+    assert scales[3] == 1 and (u[3].int() == zero_points[3]).all()
+    restored = (u.int() - zero_points[:, None]).float() * scales[:, None]
+    assert ((restored - weight).abs() <= scales[:, None] * (0.5 + 1e-5)).all()
+    assert (restored[weight == 0] == 0).all()  # zero weights exact
+    qweight, sym_scales = quantize_per_channel(weight[4:5])
+    symmetric_error = (qweight.float() * sym_scales[:, None] - weight[4:5]).abs().mean()
+    assert (restored[4] - weight[4]).abs().mean() * 1.5 < symmetric_error
+
+
+# One scale per row (exact int32 sums), groups that divide K or leave a shorter last group, padding.
+@pytest.mark.parametrize("group_size,num_rows,n_size,k_size", [
+    (0, 40, 96, 64), (0, 9, 577, 37), (32, 17, 960, 576), (32, 33, 577, 37), (4, 9, 1, 3)])
+def test_asymmetric_tiles_multiply_the_weights_less_their_zero_points(library, kernels, group_size, num_rows,
+                                                                       n_size, k_size):
+    x, _, _, bias = _operands(num_rows, n_size, k_size, seed=num_rows + n_size)
+    g = torch.Generator().manual_seed(k_size)
+    weight = torch.randn(n_size, k_size, generator=g) * 0.05 + 0.02  # ranges off centre: zero points not 128
+    weight[0] = weight[0].abs()  # zero point 0: u reaches 255
+    w8a8 = W8A8Kernels(library, group_size=group_size)
+    tiled = w8a8.pack_asymmetric(weight)
+    u, zero_points, scales = quantize_asymmetric(weight)
+    assert tiled.asymmetric and torch.equal(tiled.scales, scales) and (zero_points != 128).any()
+    centered = u.long() - zero_points.long()[:, None]
+    got = w8a8.tiles(x, tiled, bias)
+    if group_size == 0:  # the exact int32 product, through the oneDNN path's row pass
+        assert torch.equal(got, _reference(kernels, x, centered, scales, bias))
+        return
+    want = _grouped_reference(x, centered, scales, bias, group_size)
+    magnitude = (x.double().abs() @ (u.double() + zero_points.double()[:, None]).t()) * scales.double()
+    assert ((got.double() - want).abs() <= want.abs() * 2**-8 + magnitude * 2**-20).all()
 
 
 def test_the_group_size_each_configuration_runs(library):
@@ -143,11 +188,11 @@ def test_the_group_size_each_configuration_runs(library):
 
 
 def test_tiles_refuse_what_they_do_not_multiply(kernels):
-    tiled = kernels.pack_tiles(torch.zeros(16, 32, dtype=torch.int8))
+    tiled = kernels.pack_tiles(torch.zeros(16, 32, dtype=torch.int8), torch.ones(16))
     with pytest.raises(ValueError, match="int8 tiles"):
-        kernels.tiles(torch.randn(2, 32), tiled, torch.ones(16))  # float32 activations
+        kernels.tiles(torch.randn(2, 32), tiled)  # float32 activations
     with pytest.raises(ValueError, match="int8 tiles"):
-        kernels.tiles(torch.randn(2, 31).bfloat16(), tiled, torch.ones(16))
+        kernels.tiles(torch.randn(2, 31).bfloat16(), tiled)
 
 
 def test_the_portable_build_has_no_tiles(kernel_cache):
@@ -162,7 +207,7 @@ def test_rows_past_the_gemv_take_the_tiles_with_the_onednn_paths_result(kernels,
     assert weight.use_gemv(Int8Gemv(library_for("native", kernel_cache)))
     weight.w8a8 = kernels
     untiled = [weight.linear(torch.full((r, 128), 0.5).bfloat16()) for r in (MAX_INT8_GEMV_ROWS + 1, 200)]
-    weight.tiles = kernels.pack_tiles(weight.qweight)
+    weight.tiles = kernels.pack_tiles(weight.qweight, weight.scales)
     calls = []
     tiles = kernels.tiles
     kernels.tiles = lambda x, *args: (calls.append(x.shape[0]), tiles(x, *args))[1]
@@ -191,6 +236,7 @@ def test_the_w8a8_stack_gives_the_layer_paths_hidden_states_bit_for_bit(tiny_lla
     assert stack.act_group_size == (DEFAULT_W8A8_GROUP_SIZE if group_size == -1 else group_size)
     weights = [layer.mlp.down_proj.int8_weight for layer in fused_runner.model.model.layers]
     assert all(w.tiles is not None and w.max_gemv_rows == 0 for w in weights)
+    assert all(w.tiles.asymmetric == (group_size != 0) for w in weights)  # groups: OpenVINO's asymmetric weights
     prompt_lens = [1 + i % 2 for i in range(num_requests)]  # one prefill step within the 32-token budget
     fused, fused_tokens = _run(fused_runner, prompt_lens, max_tokens=6)
     assert fused.stack_rows and max(fused.stack_rows) == num_requests
@@ -260,8 +306,9 @@ def test_the_int8_tiles_limit_is_timed_once_per_shape_and_stored(kernels, tmp_pa
     weight = Int8Weight(qweight, scales, native_bf16=True)
     weight.w8a8 = kernels
     cache = tmp_path / "int8_kernel_thresholds.json"
-    limit = Int8PathSelector(num_repeats=1, cache_path=cache).max_int8_tile_rows(weight, kernels.pack_tiles(qweight))
+    selector = Int8PathSelector(num_repeats=1, cache_path=cache)
+    limit = selector.max_int8_tile_rows(weight, kernels.pack_tiles(qweight, scales))
     assert limit in (0, *ROW_GRID, MAX_INT8_TILE_ROWS)
     again = Int8PathSelector(cache_path=cache)
     again._measure_int8_tiles = lambda weight, tiles: pytest.fail("a stored limit was timed again")
-    assert again.max_int8_tile_rows(weight, kernels.pack_tiles(qweight)) == limit
+    assert again.max_int8_tile_rows(weight, kernels.pack_tiles(qweight, scales)) == limit

@@ -1,22 +1,25 @@
 /* W8A8 matmuls on VNNI (`--quantization w8a8`): y [M, N] = dequantize(quantize(x) W^T) for
- * bfloat16 x, int8 W with a float32 scale per output channel.
+ * bfloat16 x and a uint8 weight u with a zero point z_n and a float32 scale s_n per output channel,
+ * W = s_n (u - z_n): symmetric int8 as u = w + 128, z = 128, or asymmetric (the channel's range
+ * over [0, 255], as OpenVINO compresses int8 weights).
  *
  * oneDNN's int8 GEMM (w8a8.py) ran a 40-row decode step of SmolLM2-135M slower than the bfloat16
  * column tiles (gemm_tiles.c), which read twice the bytes: these are the same column tiles for
  * VPDPBUSD. The weight is packed once into tiles of 16 output columns, each [ceil(K/4)][16][4]
- * (every 4 input positions of the 16 columns side by side: one zmm), offset by 128 into uint8,
- * which VPDPBUSD multiplies by the int8 activations (broadcast from memory, four at a time);
- * sum_k (w_k + 128) q_k less 128 times the sum of the row's q is the int32 sum oneDNN returns.
+ * (every 4 input positions of the 16 columns side by side: one zmm) of u, which VPDPBUSD
+ * multiplies by the int8 activations (broadcast from memory, four at a time), followed by the
+ * int32 zero points; sum_k u_k q_k less z_n times the sum of the row's q is sum_k (u_k - z_n) q_k,
+ * for symmetric weights the int32 sum oneDNN returns.
  *
  * x's rows are quantized in groups of `group_size` values (int8_quant.h's symmetric rule per
  * group), a group never smaller than 4 or split inside a quad:
  * - One group per row (group_size 0 or >= K) is w8a8.c's per-row rule: the row's int32 sums are
- *   exact and are scaled back by w8a8.c's own row pass, so the output equals the oneDNN path's
- *   bit for bit.
+ *   exact and are scaled back by w8a8.c's own row pass, so with symmetric weights the output
+ *   equals the oneDNN path's bit for bit.
  * - Smaller groups (OpenVINO's CPU plugin quantizes activations in groups of 32) move greedy output
  *   less, as one outlier no longer coarsens the whole row: each group's int32 sums are converted
- *   and added in float32 times that group's scale, and the 128 offset is taken off once per row
- *   (128 sum_g scale_g sum(q in g), a float32 per row).
+ *   and added in float32 times that group's scale, and the zero points are taken off once per row
+ *   and column (z_n sum_g scale_g sum(q in g), the sum a float32 per row).
  * MR rows by TN tiles of accumulators, a thread's panel of TN tiles streamed once, as in
  * gemm_tiles.c; groups keep float32 sums beside the int32 ones, so take fewer rows and tiles. */
 #include <stdint.h>
@@ -40,12 +43,20 @@ static inline int64_t num_quads(int64_t k_size) { return (k_size + 3) / 4; }
 static inline int64_t num_tiles(int64_t n_size) { return (n_size + TILE - 1) / TILE; }
 static inline int64_t tile_bytes(int64_t k_size) { return num_quads(k_size) * TILE * 4; }
 
-int64_t int8_tiles_nbytes(int64_t n_size, int64_t k_size) { return num_tiles(n_size) * tile_bytes(k_size); }
+/* The tiles, then an int32 zero point per column (16 per tile). */
+int64_t int8_tiles_nbytes(int64_t n_size, int64_t k_size) {
+  return num_tiles(n_size) * (tile_bytes(k_size) + TILE * (int64_t)sizeof(int32_t));
+}
 
-/* w [n_size, k_size] int8 row-major -> out: per tile [quads][16][4] of w + 128 as uint8; 128 (a
- * zero weight) past N and K. */
-void int8_tiles_pack(const int8_t *w, uint8_t *out, int64_t n_size, int64_t k_size) {
+static inline const int32_t *zero_points_of(const uint8_t *wt, int64_t n_size, int64_t k_size) {
+  return (const int32_t *)(wt + num_tiles(n_size) * tile_bytes(k_size));
+}
+
+/* u [n_size, k_size] uint8 row-major, zero_points [n_size] -> out: per tile [quads][16][4] of u,
+ * then the zero points; past N and K zeros (the activations are 0 past K, columns past N unread). */
+void int8_tiles_pack(const uint8_t *u, const int32_t *zero_points, uint8_t *out, int64_t n_size, int64_t k_size) {
   const int64_t kq = num_quads(k_size), tiles = num_tiles(n_size), stride = tile_bytes(k_size);
+  int32_t *zeros = (int32_t *)(out + tiles * stride);
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < tiles; t++) {
     uint8_t *tile = out + t * stride;
@@ -53,8 +64,9 @@ void int8_tiles_pack(const int8_t *w, uint8_t *out, int64_t n_size, int64_t k_si
       for (int c = 0; c < TILE; c++)
         for (int h = 0; h < 4; h++) {
           const int64_t n = t * TILE + c, k = 4 * q + h;
-          tile[(q * TILE + c) * 4 + h] = (uint8_t)((n < n_size && k < k_size ? w[n * k_size + k] : 0) + 128);
+          tile[(q * TILE + c) * 4 + h] = n < n_size && k < k_size ? u[n * k_size + k] : 0;
         }
+    for (int c = 0; c < TILE; c++) zeros[t * TILE + c] = t * TILE + c < n_size ? zero_points[t * TILE + c] : 0;
   }
 }
 
@@ -90,25 +102,28 @@ static inline __attribute__((always_inline)) __m512i dpbusd_bcast(__m512i acc, _
         acc[m][t] = dpbusd_bcast(acc[m][t], w[t], xq + m * x_stride + 4 * q); \
   }
 
-/* One group per row: exact int32 sums [num_m][TN][16], less 128 times each row's sum of q.
- * Inlined with constant num_m and num_t (accumulators in registers). */
+/* One group per row: exact int32 sums [num_m][TN][16], less each column's zero point (zeros) times
+ * each row's sum of q. Inlined with constant num_m and num_t (accumulators in registers). */
 static inline __attribute__((always_inline)) void block_rows(const int8_t *xq, int64_t x_stride,
-                                                             const int32_t *x_sums, const uint8_t *wt, int64_t kq,
-                                                             int64_t stride, int num_m, int num_t, int32_t *sums) {
+                                                             const int32_t *x_sums, const uint8_t *wt,
+                                                             const int32_t *zeros, int64_t kq, int64_t stride,
+                                                             int num_m, int num_t, int32_t *sums) {
   __m512i acc[MR][TN];
   for (int m = 0; m < num_m; m++)
     for (int t = 0; t < num_t; t++) acc[m][t] = _mm512_setzero_si512();
   const int64_t q0 = 0, q1 = kq;
   DOT_QUADS(num_m)
+  __m512i z[TN];
+  for (int t = 0; t < num_t; t++) z[t] = _mm512_loadu_si512(zeros + t * TILE);
   for (int m = 0; m < num_m; m++) {
-    const __m512i offset = _mm512_set1_epi32(x_sums[m] * 128);
+    const __m512i x_sum = _mm512_set1_epi32(x_sums[m]);
     for (int t = 0; t < num_t; t++)
-      _mm512_storeu_si512(sums + (m * TN + t) * TILE, _mm512_sub_epi32(acc[m][t], offset));
+      _mm512_storeu_si512(sums + (m * TN + t) * TILE, _mm512_sub_epi32(acc[m][t], _mm512_mullo_epi32(x_sum, z[t])));
   }
 }
 
 /* Groups of gq quads: float32 sums [num_m][num_t][16] (rows TN tiles apart) of each group's int32
- * sums times its scale (x_scales [num_m][num_groups]), the 128 offset still in them. */
+ * sums times its scale (x_scales [num_m][num_groups]), the zero points still in them. */
 static inline __attribute__((always_inline)) void block_groups(const int8_t *xq, int64_t x_stride,
                                                                const float *x_scales, int64_t num_groups,
                                                                const uint8_t *wt, int64_t kq, int64_t gq,
@@ -131,16 +146,16 @@ static inline __attribute__((always_inline)) void block_groups(const int8_t *xq,
     for (int t = 0; t < num_t; t++) _mm512_storeu_ps(sums + (m * TN + t) * TILE, f[m][t]);
 }
 
-#define ROWS_CASES(NT)                                                                \
-  switch (num_m) {                                                                    \
-    case 1: block_rows(xm, x_stride, sm, w, kq, stride, 1, NT, isums); break;         \
-    case 2: block_rows(xm, x_stride, sm, w, kq, stride, 2, NT, isums); break;         \
-    case 3: block_rows(xm, x_stride, sm, w, kq, stride, 3, NT, isums); break;         \
-    case 4: block_rows(xm, x_stride, sm, w, kq, stride, 4, NT, isums); break;         \
-    case 5: block_rows(xm, x_stride, sm, w, kq, stride, 5, NT, isums); break;         \
-    case 6: block_rows(xm, x_stride, sm, w, kq, stride, 6, NT, isums); break;         \
-    case 7: block_rows(xm, x_stride, sm, w, kq, stride, 7, NT, isums); break;         \
-    default: block_rows(xm, x_stride, sm, w, kq, stride, MR, NT, isums); break;       \
+#define ROWS_CASES(NT)                                                                   \
+  switch (num_m) {                                                                       \
+    case 1: block_rows(xm, x_stride, sm, w, zw, kq, stride, 1, NT, isums); break;        \
+    case 2: block_rows(xm, x_stride, sm, w, zw, kq, stride, 2, NT, isums); break;        \
+    case 3: block_rows(xm, x_stride, sm, w, zw, kq, stride, 3, NT, isums); break;        \
+    case 4: block_rows(xm, x_stride, sm, w, zw, kq, stride, 4, NT, isums); break;        \
+    case 5: block_rows(xm, x_stride, sm, w, zw, kq, stride, 5, NT, isums); break;        \
+    case 6: block_rows(xm, x_stride, sm, w, zw, kq, stride, 6, NT, isums); break;        \
+    case 7: block_rows(xm, x_stride, sm, w, zw, kq, stride, 7, NT, isums); break;        \
+    default: block_rows(xm, x_stride, sm, w, zw, kq, stride, MR, NT, isums); break;      \
   }
 
 #define GROUPS_CASE(M, NT) \
@@ -155,12 +170,12 @@ static inline __attribute__((always_inline)) void block_groups(const int8_t *xq,
     default: GROUPS_CASE(MR_G, NT); break;          \
   }
 
-/* y[c] = (f[c] - offset) * w_scales[c] (+ bias[c]) in float32, rounded once to bfloat16. */
-static void dequantize_row_groups_bf16(const float *f, float offset, const float *w_scales, const uint16_t *bias,
-                                       uint16_t *y, int64_t n) {
+/* y[c] = (f[c] - zeros[c] q_sum) * w_scales[c] (+ bias[c]) in float32, rounded once to bfloat16. */
+static void dequantize_row_groups_bf16(const float *f, float q_sum, const int32_t *zeros, const float *w_scales,
+                                       const uint16_t *bias, uint16_t *y, int64_t n) {
 #pragma omp simd
   for (int64_t c = 0; c < n; c++)
-    y[c] = f32_to_bf16((f[c] - offset) * w_scales[c] + (bias ? bf16_to_f32(bias[c]) : 0.f));
+    y[c] = f32_to_bf16((f[c] - (float)zeros[c] * q_sum) * w_scales[c] + (bias ? bf16_to_f32(bias[c]) : 0.f));
 }
 
 /* x [m_size, k_size] bfloat16 in groups of group_size values (0: one per row), wt from
@@ -174,16 +189,17 @@ int int8_tiles_bf16(const uint16_t *x, const uint8_t *wt, const float *w_scales,
   int8_t *xq = calloc((size_t)(rows * x_stride), 1);
   float *x_scales = malloc(sizeof(float) * (size_t)(rows * num_groups));
   int32_t *x_sums = malloc(sizeof(int32_t) * (size_t)rows);
-  float *offsets = malloc(sizeof(float) * (size_t)rows);
-  if (!xq || !x_scales || !x_sums || !offsets) {
-    free(xq), free(x_scales), free(x_sums), free(offsets);
+  float *q_sums = malloc(sizeof(float) * (size_t)rows); /* sum_g scale_g sum(q in g) */
+  const int32_t *zero_points = zero_points_of(wt, n_size, k_size);
+  if (!xq || !x_scales || !x_sums || !q_sums) {
+    free(xq), free(x_scales), free(x_sums), free(q_sums);
     return -1;
   }
 #pragma omp parallel for schedule(static) if (m_size * k_size >= MIN_PARALLEL_ELEMENTS)
   for (int64_t r = 0; r < m_size; r++) {
     int8_t *row = xq + r * x_stride;
     int32_t row_sum = 0;
-    float offset = 0.f;
+    float q_sum = 0.f;
     for (int64_t g = 0; g < num_groups; g++) {
       const int64_t k0 = 4 * g * gq, k1 = k0 + 4 * gq < k_size ? k0 + 4 * gq : k_size;
       float *scale = x_scales + r * num_groups + g;
@@ -191,9 +207,9 @@ int int8_tiles_bf16(const uint16_t *x, const uint8_t *wt, const float *w_scales,
       int32_t sum = 0;
       for (int64_t i = k0; i < k1; i++) sum += row[i];
       row_sum += sum;
-      offset += 128.f * (*scale * (float)sum);
+      q_sum += *scale * (float)sum;
     }
-    x_sums[r] = row_sum, offsets[r] = offset;
+    x_sums[r] = row_sum, q_sums[r] = q_sum;
   }
 #pragma omp parallel for schedule(static) if (n_size * k_size >= MIN_PARALLEL_WEIGHTS)
   for (int64_t p = 0; p < num_panels; p++) {
@@ -203,6 +219,7 @@ int int8_tiles_bf16(const uint16_t *x, const uint8_t *wt, const float *w_scales,
     const int num_t = num_tiles(n_size) - t0 < TN ? (int)(num_tiles(n_size) - t0) : TN;
     const int64_t cols = n_size - n0 < num_t * TILE ? n_size - n0 : num_t * TILE;
     const uint8_t *w = wt + t0 * stride;
+    const int32_t *zw = zero_points + n0;
     const int64_t mr = num_groups == 1 ? MR : MR_G;
     for (int64_t m0 = 0; m0 < m_size; m0 += mr) {
       const int num_m = m_size - m0 < mr ? (int)(m_size - m0) : (int)mr;
@@ -228,12 +245,12 @@ int int8_tiles_bf16(const uint16_t *x, const uint8_t *wt, const float *w_scales,
         } else {
           float row[TN * TILE];
           for (int t = 0; t < num_t; t++) memcpy(row + t * TILE, fsums + (m * TN + t) * TILE, TILE * sizeof(float));
-          dequantize_row_groups_bf16(row, offsets[r], w_scales + n0, b, y_row, cols);
+          dequantize_row_groups_bf16(row, q_sums[r], zw, w_scales + n0, b, y_row, cols);
         }
       }
     }
   }
-  free(xq), free(x_scales), free(x_sums), free(offsets);
+  free(xq), free(x_scales), free(x_sums), free(q_sums);
   return 0;
 }
 

@@ -1,5 +1,6 @@
 """Weight-only int8 matmul kernels: y = x (s * Q)^T with Q int8 [out, in] and s a scale per output
-channel, for float32 or bfloat16 rows x; and the symmetric per-channel quantizer that makes Q, s.
+channel, for float32 or bfloat16 rows x; the symmetric per-channel quantizer that makes Q, s, and the
+asymmetric one W8A8's tiles take with activation groups (w8a8.py).
 
 Two ways to multiply, chosen per call by `Int8Linear` (int8_linear.py) from the row count:
   - `int8pack_linear`: PyTorch's weight-only int8 GEMM (`aten._weight_int8pack_mm`), which widens
@@ -15,6 +16,9 @@ from __future__ import annotations
 
 import torch
 
+# torch 2.13's int8pack_mm crashed (SIGSEGV) on bfloat16 rows starting 2-16 bytes past a 32-byte
+# boundary (a view into a larger buffer); the allocator's own tensors start on 64.
+INT8PACK_ALIGNMENT_BYTES = 64
 WIDEN_CHUNK_ROWS = 1024  # weight rows widened per matmul (1024 x 576 bf16 is 1.2 MB: L2-sized)
 
 
@@ -28,6 +32,19 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return qweight, scales
 
 
+def quantize_asymmetric(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric per-output-channel uint8: each row's range, zero included (so the zero point is in
+    [0, 255] and a zero weight exact), in 255 steps, W ~ scale (U - zero point). Half a step of
+    error, against up to a step twice as wide for absmax / 127 on a lopsided row. Returns (U uint8
+    [out, in], zero points int32 [out], scales float32 [out]); an all-zero row gets scale 1."""
+    w = weight.detach().float()
+    low, high = w.amin(dim=1).clamp(max=0), w.amax(dim=1).clamp(min=0)
+    scales = torch.where(high > low, (high - low) / 255.0, torch.ones_like(high))
+    zero_points = torch.round(-low / scales).clamp_(0, 255)
+    u = torch.round(w / scales[:, None]).add_(zero_points[:, None]).clamp_(0, 255).to(torch.uint8)
+    return u, zero_points.to(torch.int32), scales
+
+
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """s * Q in `dtype` (the float reference of an int8 weight)."""
     return (qweight.float() * scales.float()[:, None]).to(dtype)
@@ -35,7 +52,9 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype =
 
 def int8pack_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x (s * Q)^T by `aten._weight_int8pack_mm`; `scales` must be in x's dtype (the op's rule)."""
-    return torch.ops.aten._weight_int8pack_mm(x.contiguous(), qweight, scales)
+    if not x.is_contiguous() or x.data_ptr() % INT8PACK_ALIGNMENT_BYTES:
+        x = x.clone(memory_format=torch.contiguous_format)  # a fresh allocation is 64-byte aligned
+    return torch.ops.aten._weight_int8pack_mm(x, qweight, scales)
 
 
 def dequantize_chunks_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

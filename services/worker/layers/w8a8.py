@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
+from services.worker.layers.int8_kernels import quantize_asymmetric
+
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 # Every row count: 30 layers of SmolLM2-135M's matmuls, weights from memory,
 # on a 2-core Zen 5 (AVX512_VNNI), tiles against oneDNN's int8 GEMM with its passes: 8 rows 3.4 /
@@ -62,12 +64,15 @@ def resolve_group_size(requested: int, *, has_tiles: bool, measures_tile_rows: b
 
 @dataclass(frozen=True)
 class Int8TiledWeight:
-    """An int8 weight [n_size, k_size] in gemm_int8_tiles.c's packed column tiles (offset into uint8)."""
+    """A weight [n_size, k_size] in gemm_int8_tiles.c's packed column tiles: W = scales_n (u - z_n)
+    for uint8 u and an int32 zero point z_n per column, held in `data` after the tiles."""
 
     data: torch.Tensor  # int8 bytes
+    scales: torch.Tensor  # float32 [n_size]
     n_size: int
     k_size: int
     max_rows: int  # `Int8Weight.linear` and the decoder stack take the tiles up to this many rows
+    asymmetric: bool  # zero points from each channel's range, rather than symmetric int8's 128
 
 
 class W8A8Kernels:
@@ -91,27 +96,39 @@ class W8A8Kernels:
         self.group_size = group_size
         self._tiles, self._pack, self._nbytes = library.int8_tiles_bf16, library.int8_tiles_pack, library.int8_tiles_nbytes
         self._tiles.argtypes, self._tiles.restype = [_P] * 5 + [_I64] * 4, ctypes.c_int
-        self._pack.argtypes, self._pack.restype = [_P, _P, _I64, _I64], None
+        self._pack.argtypes, self._pack.restype = [_P, _P, _P, _I64, _I64], None
         self._nbytes.argtypes, self._nbytes.restype = [_I64, _I64], _I64
 
-    def pack_tiles(self, qweight: torch.Tensor, max_rows: int = MAX_INT8_TILE_ROWS) -> Int8TiledWeight:
-        """qweight int8 [N, K] contiguous, repacked into column tiles (after `has_tiles`), taken up to
-        `max_rows` rows."""
-        n_size, k_size = qweight.shape
-        data = torch.empty(self._nbytes(n_size, k_size), dtype=torch.int8)
-        self._pack(qweight.data_ptr(), data.data_ptr(), n_size, k_size)
-        return Int8TiledWeight(data, n_size, k_size, max_rows)
+    def pack_tiles(self, qweight: torch.Tensor, scales: torch.Tensor,
+                   max_rows: int = MAX_INT8_TILE_ROWS) -> Int8TiledWeight:
+        """Symmetric int8 qweight [N, K] with float32 scales [N], repacked into column tiles (after
+        `has_tiles`), taken up to `max_rows` rows."""
+        u = (qweight.to(torch.int16) + 128).to(torch.uint8).contiguous()
+        zero_points = torch.full((qweight.shape[0],), 128, dtype=torch.int32)
+        return self._packed(u, zero_points, scales, max_rows, asymmetric=False)
 
-    def tiles(self, x: torch.Tensor, weight: Int8TiledWeight, w_scales: torch.Tensor,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
-        """`linear` on the tiles for bfloat16 x [M, K]: the same result, bit for bit."""
+    def pack_asymmetric(self, weight: torch.Tensor, max_rows: int = MAX_INT8_TILE_ROWS) -> Int8TiledWeight:
+        """A float weight [N, K] quantized per channel by `quantize_asymmetric`, into column tiles."""
+        u, zero_points, scales = quantize_asymmetric(weight)
+        return self._packed(u, zero_points, scales, max_rows, asymmetric=True)
+
+    def _packed(self, u: torch.Tensor, zero_points: torch.Tensor, scales: torch.Tensor, max_rows: int,
+                asymmetric: bool) -> Int8TiledWeight:
+        n_size, k_size = u.shape
+        data = torch.empty(self._nbytes(n_size, k_size), dtype=torch.int8)
+        self._pack(u.data_ptr(), zero_points.data_ptr(), data.data_ptr(), n_size, k_size)
+        return Int8TiledWeight(data, scales.float().contiguous(), n_size, k_size, max_rows, asymmetric)
+
+    def tiles(self, x: torch.Tensor, weight: Int8TiledWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] bfloat16 times the tiled weight (+ bias), bfloat16; with one activation scale per
+        row and symmetric weights `linear`'s result, bit for bit."""
         if not self.has_tiles or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != weight.k_size:
             raise ValueError(f"int8 tiles: x {x.dtype} {tuple(x.shape)} against [{weight.n_size}, {weight.k_size}]")
         if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
             bias = bias.to(torch.bfloat16).contiguous()
         x = x.contiguous()
         out = torch.empty(x.shape[0], weight.n_size, dtype=torch.bfloat16)
-        status = self._tiles(x.data_ptr(), weight.data.data_ptr(), w_scales.data_ptr(),
+        status = self._tiles(x.data_ptr(), weight.data.data_ptr(), weight.scales.data_ptr(),
                              None if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0], weight.n_size,
                              weight.k_size, self.group_size)
         if status:

@@ -216,7 +216,9 @@ def _gemv_operands(proj: LinearBase, dtype: torch.dtype):
         if int8.gemv is None:
             return None
         if int8.tiles is not None and dtype == torch.bfloat16:
-            return WEIGHTS_INT8_TILES, int8.qweight, int8.scales, bias, int8.tiles.data
+            if int8.tiles.asymmetric and int8.max_gemv_rows:
+                return None  # the stack passes one scale per channel to both, and these differ
+            return WEIGHTS_INT8_TILES, int8.qweight, int8.tiles.scales, bias, int8.tiles.data
         return WEIGHTS_INT8, int8.qweight, int8.scales, bias, None
     if proj.gemv_tiles is not None and dtype == torch.bfloat16:
         return WEIGHTS_BF16_TILES, proj.gemv_tiles.data, None, bias, None
