@@ -13,7 +13,7 @@ from services.worker.attention.int8_kv_cache import quantize_int8_rows
 from services.worker.config import WorkerConfig, cpu_has_amx_int8, cpu_has_int8_dot
 from services.worker.layers.int8_gemv import MAX_INT8_GEMV_ROWS, Int8Gemv
 from services.worker.layers.int8_kernels import quantize_asymmetric, quantize_per_channel
-from services.worker.layers.int8_linear import Int8PathSelector, Int8Weight
+from services.worker.layers.int8_linear import Int8PathSelector, Int8Weight, quantize_model
 from services.worker.layers.w8a8 import DEFAULT_W8A8_GROUP_SIZE, W8A8Kernels, int_mm_is_exact, resolve_group_size
 from services.worker.models.decode_stack import WEIGHTS_INT8, WEIGHTS_INT8_TILES
 from services.worker.platforms import cpu as cpu_platform
@@ -170,6 +170,34 @@ def test_asymmetric_tiles_multiply_the_weights_less_their_zero_points(library, k
     want = _grouped_reference(x, centered, scales, bias, group_size)
     magnitude = (x.double().abs() @ (u.double() + zero_points.double()[:, None]).t()) * scales.double()
     assert ((got.double() - want).abs() <= want.abs() * 2**-8 + magnitude * 2**-20).all()
+
+
+@pytest.mark.parametrize("group_size", [32, 0])
+def test_groups_tile_the_float_weights_asymmetrically_and_keep_a_checkpoints_int8(library, kernels, group_size):
+    """With activation groups each weight is tiled from its float values, asymmetric per channel (a
+    checkpoint's own int8, the GGUF's Q8_0, stays as it is: symmetric); one scale per row keeps
+    every weight symmetric, oneDNN's products. The layers then multiply on those tiles."""
+    from tests.worker.test_quantization import _tied_model
+
+    modules = _tied_model(torch.bfloat16)
+    _, qkv, o, head = modules
+    head.checkpoint_int8 = quantize_per_channel(head.weight)
+    float_weights = {"qkv": qkv.weight.detach().clone(), "o": o.weight.detach().clone()}
+    w8a8 = W8A8Kernels(library, group_size=group_size)
+    summary = quantize_model(modules, torch.bfloat16, native_bf16=True, selector=Int8PathSelector(num_repeats=1),
+                             w8a8=w8a8)
+    assert "1 from the checkpoint's Q8_0" in summary
+    assert not head.int8_weight.tiles.asymmetric
+    assert torch.equal(head.int8_weight.tiles.scales, head.int8_weight.scales)
+    for name, layer in (("qkv", qkv), ("o", o)):
+        tiles = layer.int8_weight.tiles
+        assert tiles.asymmetric == bool(group_size)
+        want = quantize_asymmetric(float_weights[name])[2] if group_size else layer.int8_weight.scales
+        assert torch.equal(tiles.scales, want)
+        x = torch.randn(5, 64).bfloat16()
+        assert torch.equal(layer.int8_weight.linear(x), w8a8.tiles(x, tiles))
+    if group_size:
+        assert "2 weights asymmetric on the tiles" in summary
 
 
 def test_the_group_size_each_configuration_runs(library):

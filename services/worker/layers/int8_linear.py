@@ -13,8 +13,9 @@ on an AMX CPU runs on AMX tiles and may cross sooner (docs/benchmarks.md, "Weigh
 GEMV's row limit is a constant, so it cannot move between restarts either. Under
 `--quantization w8a8` the rows the GEMV does not take multiply on `W8A8Kernels` (w8a8.py):
 activations quantized to int8, the int8 GEMM of the CPU's int8 dot products; no threshold is
-timed. Where W8A8 has its int8 column tiles (activations in groups of 32 there by default), the
-GEMV takes no rows at all.
+timed. Where W8A8 has its int8 column tiles (activations in groups of 32 there by default, and
+then the tiles' own asymmetric copy of each weight the checkpoint did not give as int8), the GEMV
+takes no rows at all.
 
 With tied embeddings the LM head's int8 weight also serves the embedding lookup: its rows are
 per-row quantized already (an output channel of the head is a token's row), so a lookup widens

@@ -14,11 +14,14 @@ Where the library is built with AVX512_VNNI, each weight is also packed once int
 tiles (`Int8TiledWeight`, csrc/gemm_int8_tiles.c), faster than `_int_mm` at every row count
 measured (`MAX_INT8_TILE_ROWS`); with them W8A8 takes every row count, one row too
 (`quantize_model`). oneDNN's GEMM serves CPUs without AVX512_VNNI. The tiles quantize activations
-in groups (`--w8a8-group-size`, 32 by default there, as OpenVINO's CPU plugin does): one scale per
-row moved greedy output about twice as far as OpenVINO's int8 pipeline (11.8 of 64 tokens kept
-against float32 on 32 chat prompts, groups of 32 17.8, OpenVINO 20.9), for 1.2-1.4x the matmul
-time from 8 rows. With one scale per row (group size 0) the tiles give `_int_mm`'s int32 sums,
-scaled back by the same row pass, so bit-identical; then, with AMX-INT8, where oneDNN multiplies
+in groups (`--w8a8-group-size`, 32 by default there, as OpenVINO's CPU plugin does), and with
+groups hold the weights as OpenVINO compresses them, asymmetric per channel (a uint8 range and a
+zero point, `Int8TiledWeight.asymmetric`): one scale per row and symmetric weights moved greedy
+output about twice as far as OpenVINO's int8 pipeline (11.8 of 64 tokens kept against float32 on
+32 chat prompts, OpenVINO 20.9), groups of 32 with symmetric weights 17.8, with asymmetric ones 22.0,
+for 1.2-1.4x the per-row matmul time from 8 rows. With one scale per row (group size 0) the tiles
+hold the symmetric weights and give `_int_mm`'s int32 sums, scaled back by the same row pass, so
+bit-identical; then, with AMX-INT8, where oneDNN multiplies
 on the tile unit and may win, each weight shape's row limit on the tiles is measured at start-up
 (`Int8PathSelector.max_int8_tile_rows`, int8_linear.py), the products the same either side of it.
 Groups have no oneDNN counterpart, so they take the tiles at every row count, and auto keeps one
