@@ -75,9 +75,9 @@ MORE_PROMPTS = (
     "Describe a sunset over the ocean in three sentences.",
     "How does a bicycle stay upright when it moves?",
 )
-# Each row's same-engine bf16 row, against which it is also compared.
-BF16_OF = {"bf16-kv8": "bf16", "w8a8": "bf16", "w8a8-kv8": "bf16", "w8a8-rows": "bf16", "w8a8-rows-kv8": "bf16",
-           "w8a8-g64": "bf16", "openvino-int8": "openvino-bf16"}
+# Each row's same-engine bf16 row, against which it is also compared: every other bfloat16 row's.
+BF16_OF = {**{name: "bf16" for name, (dtype, *_) in SPINDLE_CONFIGS.items() if dtype == "bfloat16" and name != "bf16"},
+           "openvino-int8": "openvino-bf16"}
 
 
 def chat_prompts(texts) -> list[list[int]]:

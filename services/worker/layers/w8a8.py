@@ -18,11 +18,11 @@ in groups (`--w8a8-group-size`, 32 by default there, as OpenVINO's CPU plugin do
 groups hold the weights as OpenVINO compresses them, asymmetric per channel (a uint8 range and a
 zero point, `Int8TiledWeight.asymmetric`): one scale per row and symmetric weights moved greedy
 output about twice as far as OpenVINO's int8 pipeline (11.8 of 64 tokens kept against float32 on
-32 chat prompts, OpenVINO 20.9), groups of 32 with symmetric weights 17.8, with asymmetric ones 22.0,
-for 1.2-1.4x the per-row matmul time from 8 rows. With one scale per row (group size 0) the tiles
-hold the symmetric weights and give `_int_mm`'s int32 sums, scaled back by the same row pass, so
-bit-identical; then, with AMX-INT8, where oneDNN multiplies
-on the tile unit and may win, each weight shape's row limit on the tiles is measured at start-up
+32 chat prompts, OpenVINO 20.9), groups of 32 with symmetric weights 17.8, with asymmetric ones
+22.0, for 1.2-1.4x the per-row matmul time from 8 rows. With one scale per row (group size 0) the
+tiles hold the symmetric weights and give `_int_mm`'s int32 sums, scaled back by the same row
+pass, so bit-identical; then, with AMX-INT8, where oneDNN multiplies on the tile unit and may win,
+each weight shape's row limit on the tiles is measured at start-up
 (`Int8PathSelector.max_int8_tile_rows`, int8_linear.py), the products the same either side of it.
 Groups have no oneDNN counterpart, so they take the tiles at every row count, and auto keeps one
 scale per row where the tiles are missing or AMX-INT8 is there (`resolve_group_size`).

@@ -119,10 +119,9 @@ class CpuPlatform(Platform):
                 raise ValueError("--quantization w8a8: torch._int_mm does not multiply int8 exactly on this CPU "
                                  "(it needs AVX512_VNNI, AVX_VNNI or AMX-INT8); use --quantization int8")
             has_tiles = config.cpu_gemm_tiles and dtype == torch.bfloat16 and W8A8Kernels(kernels).has_tiles
-            group_size = resolve_group_size(config.w8a8_group_size, has_tiles=has_tiles,
-                                            measures_tile_rows=cpu_has_amx_int8())
-            w8a8 = W8A8Kernels(kernels, config.cpu_gemm_tiles, measures_tile_rows=cpu_has_amx_int8(),
-                               group_size=group_size)
+            amx_int8 = cpu_has_amx_int8()
+            group_size = resolve_group_size(config.w8a8_group_size, has_tiles=has_tiles, measures_tile_rows=amx_int8)
+            w8a8 = W8A8Kernels(kernels, config.cpu_gemm_tiles, measures_tile_rows=amx_int8, group_size=group_size)
         return cls(dtype, backend, layer_ops, kv_cache_bytes=config.kv_cache_bytes,
                    float32_copy=config.cpu_float32_copy, sampler=sampler, quantization=config.quantization,
                    gemv=Gemv(kernels, config.cpu_gemm_tiles) if gemv_on else None,
