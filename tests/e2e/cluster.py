@@ -32,15 +32,24 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
+_GIVEN_PORTS: set[int] = set()  # every port free_ports has handed out in this process
+
+
 def free_ports(count: int) -> list[int]:
-    """`count` distinct free ports: the sockets are held together until all are picked, since one
-    released port may be handed out again at once, and gRPC servers bind with SO_REUSEPORT, so two
-    services given the same port would share it silently (an HTTP client then reads HTTP/2 frames)."""
-    sockets = [socket.socket() for _ in range(count)]
+    """`count` distinct free ports, none handed out before in this process: the sockets are held
+    together until all are picked, since one released port may be handed out again at once (to the
+    next cluster too, picked before the first one starts: two clusters side by side then collided),
+    and gRPC servers bind with SO_REUSEPORT, so two services given the same port would share it
+    silently (an HTTP client then reads HTTP/2 frames)."""
+    sockets, ports = [], []
     try:
-        for s in sockets:
+        while len(ports) < count:
+            sockets.append(s := socket.socket())
             s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
+            if (port := s.getsockname()[1]) not in _GIVEN_PORTS:
+                ports.append(port)
+                _GIVEN_PORTS.add(port)
+        return ports
     finally:
         for s in sockets:
             s.close()
