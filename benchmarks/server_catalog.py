@@ -16,6 +16,13 @@ KV8_ROWS = {"spindle-bf16-kv8": ("none", "bfloat16 weights"),
             "spindle-int8-kv8": ("int8", "weight-only int8 matmul weights, bfloat16 activations"),
             "spindle-w8a8-kv8": ("w8a8", "int8 matmul weights, W8A8")}
 
+# The W8A8 rows: their --w8a8-group-size (None: auto) and how their activations are quantized.
+W8A8_ROWS = {"spindle-w8a8": (None, "in groups of 32 on the int8 tiles (per row where the CPU lacks them "
+                                    "or has AMX-INT8)"),
+             "spindle-w8a8-rows": ("0", "per row"),
+             "spindle-w8a8-g32": ("32", "in groups of 32 on the int8 tiles at every row count")}
+
+
 def model_folder() -> str:
     from services.common.model_files import resolve_model
 
@@ -91,12 +98,10 @@ def make_servers(names: list[str], dtype: str, install: bool, bf16_max_concurren
                                         f"and KV cache; c<={bf16_max_concurrency} only")
             server.max_concurrency = bf16_max_concurrency
             servers.append(server)
-        elif name in ("spindle-w8a8", "spindle-w8a8-rows"):
-            per_row = name == "spindle-w8a8-rows"
+        elif name in W8A8_ROWS:
+            group_size, activations = W8A8_ROWS[name]
             env = {"SPINDLE_DTYPE": "bfloat16", "SPINDLE_QUANTIZATION": "w8a8",
-                   **({"SPINDLE_W8A8_GROUP_SIZE": "0"} if per_row else {})}
-            activations = ("per row" if per_row else
-                           "in groups of 32 on the int8 tiles (per row where the CPU lacks them)")
+                   **({"SPINDLE_W8A8_GROUP_SIZE": group_size} if group_size else {})}
             server = SpindleServer(name, env=env,
                                    note="int8 matmul weights (per-channel scales); matmuls quantize their "
                                         f"bfloat16 activations {activations} (W8A8, the CPU's int8 dot products; "

@@ -64,6 +64,9 @@ class WorkerConfig:
     # (models/decode_stack.py), where every layer is on a GEMV; same kernels, same results.
     cpu_fused_decode: bool = True
     cpu_gemm_tiles: bool = True
+    # bfloat16 on a CPU with AMX-BF16: matmuls above the column tiles' rows on the AMX kernel
+    # (layers/amx_gemm.py) up to each weight shape's measured limit, in place of oneDNN's GEMM.
+    cpu_amx_gemm: bool = True
     # none; int8: weight-only int8 matmul weights with per-channel scales (CPU only; layers/int8_linear.py);
     # w8a8: the same weights, and matmuls quantize their activations to int8 too (layers/w8a8.py).
     quantization: str = "none"
@@ -181,6 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
                   "With --quantization w8a8 on AVX512_VNNI: int8 column tiles for every row count "
                   "(bit-identical to oneDNN's int8 GEMM, faster); false keeps the int8 GEMV up to 16 rows "
                   "and oneDNN's GEMM above")
+    add_flag(parser, "--cpu-amx-gemm", type=bool, default=True,
+             help="bfloat16 on a CPU with AMX-BF16: matmuls above the column tiles' rows on Spindle's AMX kernel "
+                  "up to the rows where oneDNN's GEMM wins, timed once per weight shape and kept in the cache "
+                  "folder (48-row decode matmuls about 1.4x faster than oneDNN's; one more copy of the matmul "
+                  "weights); false leaves them to oneDNN")
     add_flag(parser, "--cpu-fused-decode", type=bool, default=True,
              help="decode steps of a few rows (all matmuls on the GEMVs above) run every decoder layer in one "
                   "compiled call instead of nine kernel calls a layer from Python (the same kernels and results)")
@@ -250,6 +258,7 @@ def config_from_args(argv: list[str] | None = None) -> WorkerConfig:
         cpu_gemv=args.cpu_gemv,
         cpu_fused_decode=args.cpu_fused_decode,
         cpu_gemm_tiles=args.cpu_gemm_tiles,
+        cpu_amx_gemm=args.cpu_amx_gemm,
         quantization=args.quantization,
         w8a8_group_size=args.w8a8_group_size,
         kv_cache_dtype=args.kv_cache_dtype,

@@ -34,6 +34,15 @@ def test_greedy_fast_path_and_temperature_zero():
     assert out.logprobs == [None] * 4
 
 
+def test_greedy_takes_the_first_of_tied_maxima_as_argmax_does():
+    logits = torch.zeros(3, VOCAB)
+    logits[0, [5, 9, 40]] = 2.0  # three tied maxima
+    logits[1, :] = 1.0  # every token tied
+    logits[2, [3, 60]] = 7.5
+    out = _sample(logits, [SamplingParams(temperature=0.0)] * 3)
+    assert out.sampled_token_ids == [5, 0, 3] == logits.argmax(-1).tolist()
+
+
 def test_top_k_1_equals_greedy_even_at_high_temperature():
     logits = _logits(3)
     params = [SamplingParams(temperature=5.0, top_k=1), SamplingParams(temperature=5.0), SamplingParams(temperature=0)]

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
+    from services.worker.layers.amx_gemm import AmxGemm, AmxWeight
     from services.worker.layers.gemv import Gemv, TiledWeight
     from services.worker.layers.int8_linear import Int8Weight
 
@@ -62,6 +63,9 @@ class LinearBase(nn.Module):
         self.checkpoint_int8: tuple[torch.Tensor, torch.Tensor] | None = None
         self.gemv: Gemv | None = None  # the compiled GEMV for x of a few rows, on the plain weight
         self.gemv_tiles: TiledWeight | None = None  # or the weight in column tiles, up to MAX_TILE_ROWS rows
+        # The AMX kernel and the weight in its B tiles, for rows above the column tiles' (amx_gemm.py).
+        self.amx_gemm: AmxGemm | None = None
+        self.amx_weight: AmxWeight | None = None
 
     def use_int8(self, int8_weight: Int8Weight) -> None:
         """Multiplies on `int8_weight` from now on and frees the float weight (a tied one too: its
@@ -90,6 +94,8 @@ class LinearBase(nn.Module):
                 return self.gemv.tiles(x, self.gemv_tiles, self.bias)
         elif self.gemv is not None and x.shape[0] <= MAX_GEMV_ROWS:
             return self.gemv(x, self.weight, self.bias)
+        if self.amx_weight is not None and x.shape[0] <= self.amx_weight.max_rows and x.dtype == torch.bfloat16:
+            return self.amx_gemm(x, self.amx_weight, self.bias)
         if self.packed_weight is None:
             return linear(x, self.weight, self.bias)
         if self.weight_is_packed:

@@ -35,6 +35,7 @@ from services.worker.config import (INT8_WEIGHT_QUANTIZATIONS, RunnerConfig, Wor
 from services.worker.cpu_bitmask import CpuTokenBitmask
 from services.worker.cpu_kernels import load_cpu_kernels
 from services.worker.kv_cache import KVCacheLayout
+from services.worker.layers.amx_gemm import AmxGemm, AmxRowSelector, use_amx_gemm
 from services.worker.layers.fused_ops import CpuLayerOps, FusedOps
 from services.worker.layers.gemv import Gemv, use_gemv
 from services.worker.layers.int8_gemv import Int8Gemv
@@ -53,6 +54,7 @@ logger = logging.getLogger(__name__)
 
 INT8_THRESHOLDS_FILE = "int8_kernel_thresholds.json"  # in the cache dir: measured once per machine
 TILE_ROWS_FILE = "bf16_tile_rows.json"  # in the cache dir: measured once per machine, where the CPU has AMX
+AMX_ROWS_FILE = "bf16_amx_rows.json"  # likewise, the AMX kernel's row limits
 
 
 def _cache_dir(config: WorkerConfig) -> Path:
@@ -68,7 +70,8 @@ class CpuPlatform(Platform):
                  quantization: str = "none", gemv: Gemv | None = None,
                  int8_selector: Int8PathSelector | None = None, int8_gemv: Int8Gemv | None = None,
                  w8a8: W8A8Kernels | None = None, decode_layers: DecodeLayersKernel | None = None,
-                 tile_rows: TileRowSelector | None = None):
+                 tile_rows: TileRowSelector | None = None, amx_gemm: AmxGemm | None = None,
+                 amx_rows: AmxRowSelector | None = None):
         """`float32_copy`: 16-bit weights also get a float32 packed copy for batches, unless the CPU
         multiplies bfloat16 natively. `kv_cache_bytes`: the KV cache budget (default: the flag's).
         `native_bf16`: None asks this CPU (`cpu_has_native_bf16`). `quantization`: none or int8,
@@ -97,6 +100,8 @@ class CpuPlatform(Platform):
         self.w8a8 = w8a8
         self.decode_layers = decode_layers
         self.tile_rows = tile_rows
+        self.amx_gemm = amx_gemm
+        self.amx_rows = amx_rows or AmxRowSelector()
 
     @classmethod
     def from_config(cls, config: WorkerConfig, dtype: torch.dtype, heads: AttentionHeads) -> CpuPlatform:
@@ -108,6 +113,13 @@ class CpuPlatform(Platform):
         backend, layer_ops = _backend_and_ops(kernels, dtype, heads, config.kv_cache_dtype)
         sampler = TorchSampler(CpuTokenBitmask(kernels)) if kernels is not None else TorchSampler()
         gemv_on = kernels is not None and config.cpu_gemv
+        amx_gemm = None
+        if kernels is not None and config.cpu_amx_gemm and dtype == torch.bfloat16 and cpu_has_amx_bf16():
+            amx_gemm = AmxGemm(kernels)
+            if not amx_gemm.available:
+                logger.info("AMX GEMM: the library lacks AMX-BF16 or the kernel refused the tile state; oneDNN "
+                            "keeps the larger bfloat16 matmuls")
+                amx_gemm = None
         w8a8 = None
         if config.quantization == "w8a8" and kernels is not None:
             if not cpu_has_int8_dot():
@@ -129,21 +141,29 @@ class CpuPlatform(Platform):
                                              cache_path=_cache_dir(config) / TILE_ROWS_FILE),
                    int8_gemv=Int8Gemv(kernels) if gemv_on else None,
                    int8_selector=Int8PathSelector(cache_path=_cache_dir(config) / INT8_THRESHOLDS_FILE), w8a8=w8a8,
+                   amx_gemm=amx_gemm, amx_rows=AmxRowSelector(cache_path=_cache_dir(config) / AMX_ROWS_FILE),
                    decode_layers=DecodeLayersKernel(kernels) if gemv_on and config.cpu_fused_decode else None)
 
     def process_weights_after_loading(self, model: nn.Module) -> str:
         if self.quantization in INT8_WEIGHT_QUANTIZATIONS:  # int8 weights are neither packed nor copied
             return quantize_model(model, self.dtype, self.native_bf16, self.int8_selector, self.int8_gemv,
                                   self.w8a8)
-        num_packed = num_copied = num_gemv = 0
+        num_packed = num_copied = num_gemv = num_amx = 0
         if self.gemv is not None and self.dtype == torch.bfloat16:  # before packing: it keeps plain weights
             num_gemv = use_gemv(model, self.gemv, self.tile_rows)
+        if self.amx_gemm is not None and self.dtype == torch.bfloat16:  # after the tiles: it starts above them
+            num_amx = use_amx_gemm(model, self.amx_gemm, self.amx_rows)
         if can_prepack(self.device, self.dtype, native_bf16=self.native_bf16):
             num_packed = prepack_cpu_weights(model)
         is_16bit = self.dtype in (torch.bfloat16, torch.float16)
         if self.float32_copy and is_16bit and not num_packed:  # natively packed weights need no copy
             num_copied = add_float32_copies(model)
         summary = f"{num_packed} matmul weights prepacked, {num_copied} with a float32 copy"
+        if num_amx:
+            rows = sorted({m.amx_weight.max_rows for m in model.modules()
+                           if isinstance(m, LinearBase) and m.amx_weight is not None})
+            limit = f"{rows[0]}" if len(rows) == 1 else f"{rows[0]}-{rows[-1]} (by shape)"
+            summary += f", {num_amx} on the AMX GEMM up to {limit} rows"
         if num_gemv and self.gemv.has_tiles:
             rows = sorted({m.gemv_tiles.max_rows for m in model.modules()
                            if isinstance(m, LinearBase) and m.gemv_tiles is not None})

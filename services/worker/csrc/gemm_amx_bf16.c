@@ -1,0 +1,178 @@
+/* Matmuls of a few dozen to a few hundred rows on the AMX tile unit (AMX-BF16): y [M, N] = x [M, K]
+ * W^T (+ b), x, y and b bfloat16, sums in float32, y rounded to nearest even.
+ *
+ * The weight is packed once (`gemm_amx_pack`) into panels of 32 output columns; a panel is K/32
+ * steps of two B tiles, each [16 pairs of K][16 columns][2] (1 KB, the VNNI layout TDPBF16PS
+ * reads). x is read in place as A tiles (16 rows x 32 values, the row stride K), so K must be a
+ * multiple of 32; rows past M are read from a zero-padded copy of the last block. A thread takes a
+ * panel, streams it from memory once for the first 32 rows and from L2 for the others, and holds
+ * a 32 x 32 block of sums in four C tiles.
+ *
+ * Why not oneDNN's AMX GEMM at these sizes: on a 2-core Sapphire Rapids VM its prepacked bfloat16
+ * GEMM spent 160 us a call on SmolLM2-135M's 576 x 576 to 3072 x 576 weights at 48 rows, about
+ * 15 GB/s of weights, where one pass over the weights at the machine's read bandwidth takes a
+ * third of that (docs/benchmarks.md, "AMX"). Built only where the compiler targets AMX-BF16;
+ * elsewhere `gemm_amx_available` returns 0 and nothing here is called. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define TILE 16     /* rows of an A or C tile, columns of a B or C tile */
+#define PANEL 32    /* output columns per panel: two B tiles */
+#define KSTEP 32    /* input positions per tile step: 16 pairs */
+#define MBLOCK 32   /* x rows per block: two A tiles */
+#define STEP_ELEMS (2 * 16 * 32) /* bfloat16 values of a panel's step: two B tiles, 2 KB */
+#define MIN_PARALLEL_PANELS 4
+#ifndef PREFETCH_STEPS
+#define PREFETCH_STEPS 16 /* panel steps (2 KB each) prefetched into L2 ahead of the first row block */
+#endif
+
+struct tile_config {
+  uint8_t palette_id, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+static void load_config(void) {
+  struct tile_config cfg;
+  memset(&cfg, 0, sizeof cfg);
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+  _tile_loadconfig(&cfg);
+}
+
+/* Asks the kernel for the tile state (Linux 5.16+); 1 where AMX may be used in this process. */
+int gemm_amx_available(void) {
+  static int state = -1;
+  if (state < 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  return state;
+}
+
+int64_t gemm_amx_numel(int64_t n_size, int64_t k_size) {
+  return (n_size + PANEL - 1) / PANEL * PANEL * ((k_size + KSTEP - 1) / KSTEP * KSTEP);
+}
+
+/* w [n_size, k_size] row-major -> [panels][K/32 steps][2 tiles][16 pairs][16 columns][2]; zeros
+ * past N and K. A thread's panels lie one after another in memory. */
+void gemm_amx_pack(const uint16_t *w, uint16_t *out, int64_t n_size, int64_t k_size) {
+  const int64_t num_panels = (n_size + PANEL - 1) / PANEL, num_steps = (k_size + KSTEP - 1) / KSTEP;
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < num_panels; p++)
+    for (int64_t s = 0; s < num_steps; s++)
+      for (int t = 0; t < 2; t++)
+        for (int r = 0; r < 16; r++)
+          for (int c = 0; c < 16; c++)
+            for (int h = 0; h < 2; h++) {
+              const int64_t n = p * PANEL + 16 * t + c, k = s * KSTEP + 2 * r + h;
+              out[(((p * num_steps + s) * 2 + t) * 16 + r) * 16 * 2 + c * 2 + h] =
+                  n < n_size && k < k_size ? w[n * k_size + k] : 0;
+            }
+}
+
+/* Sums [rows][32] float32 -> y rows (+ bias), only the columns below n_size. */
+static inline void store_block(const float *sums, int rows, uint16_t *y, int64_t n_size, int64_t col0,
+                               const uint16_t *bias) {
+  const int cols = n_size - col0 < PANEL ? (int)(n_size - col0) : PANEL;
+  const __mmask16 low = cols >= 16 ? 0xffff : (__mmask16)((1u << cols) - 1);
+  const __mmask16 high = cols >= 32 ? 0xffff : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
+  __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+  if (bias) {
+    b0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(low, bias + col0)), 16));
+    b1 = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(high, bias + col0 + 16)), 16));
+  }
+  for (int r = 0; r < rows; r++) {
+    const __m512 s0 = _mm512_add_ps(_mm512_loadu_ps(sums + r * PANEL), b0);
+    const __m512 s1 = _mm512_add_ps(_mm512_loadu_ps(sums + r * PANEL + 16), b1);
+    uint16_t *dst = y + r * n_size + col0;
+    _mm256_mask_storeu_epi16(dst, low, (__m256i)_mm512_cvtneps_pbh(s0));
+    _mm256_mask_storeu_epi16(dst + 16, high, (__m256i)_mm512_cvtneps_pbh(s1));
+  }
+}
+
+/* One panel (two B tiles a step) against x rows in A tiles a0 and, where two_row_tiles, a1 (each
+ * read with the row stride of x): four C tiles of sums, every B tile meeting both A tiles. */
+static inline void panel_block(const uint16_t *a0, const uint16_t *a1, int64_t a_stride, const uint16_t *b,
+                               int64_t num_steps, float *sums, int two_row_tiles, int prefetch) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if (two_row_tiles) { _tile_zero(2); _tile_zero(3); }
+  for (int64_t s = 0; s < num_steps; s++) {
+    const uint16_t *bs = b + s * STEP_ELEMS;
+    if (prefetch && PREFETCH_STEPS)
+      for (int l = 0; l < 32; l++) _mm_prefetch((const char *)(bs + PREFETCH_STEPS * STEP_ELEMS) + 64 * l, _MM_HINT_T1);
+    _tile_loadd(6, bs, 64);
+    _tile_loadd(7, bs + 16 * 32, 64);
+    _tile_loadd(4, a0 + s * KSTEP, a_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (two_row_tiles) {
+      _tile_loadd(5, a1 + s * KSTEP, a_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, sums, PANEL * 4);
+  _tile_stored(1, sums + 16, PANEL * 4);
+  if (two_row_tiles) {
+    _tile_stored(2, sums + 16 * PANEL, PANEL * 4);
+    _tile_stored(3, sums + 16 * PANEL + 16, PANEL * 4);
+  }
+}
+
+/* y [m_size, n_size] = x [m_size, k_size] W^T (+ bias); k_size a multiple of 32. Returns 0, or
+ * 1 where the tile unit is not granted, K does not fit or memory ran out. */
+int gemm_amx_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int64_t m_size,
+                  int64_t n_size, int64_t k_size) {
+  if (!gemm_amx_available() || k_size % KSTEP || m_size <= 0) return 1;
+  const int64_t num_panels = (n_size + PANEL - 1) / PANEL, num_steps = k_size / KSTEP;
+  const int64_t full_rows = m_size / TILE * TILE, tail = m_size - full_rows;
+  /* The last partial row tile, zero-padded (tiles always read 16 rows). */
+  uint16_t *pad = NULL;
+  if (tail) {
+    pad = aligned_alloc(64, (size_t)TILE * k_size * 2);
+    if (!pad) return 1;
+    memset(pad, 0, (size_t)TILE * k_size * 2);
+    memcpy(pad, x + full_rows * k_size, (size_t)tail * k_size * 2);
+  }
+  const int64_t stride = k_size * 2;
+#pragma omp parallel if (num_panels >= MIN_PARALLEL_PANELS)
+  {
+    load_config();
+    float sums[MBLOCK * PANEL] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < num_panels; p++) {
+      const uint16_t *b = packed + p * num_steps * STEP_ELEMS;
+      for (int64_t m0 = 0; m0 < m_size; m0 += MBLOCK) {
+        const int64_t rows = m_size - m0 < MBLOCK ? m_size - m0 : MBLOCK;
+        const uint16_t *a0 = m0 < full_rows ? x + m0 * k_size : pad;
+        const uint16_t *a1 = m0 + TILE < full_rows ? x + (m0 + TILE) * k_size : pad;
+        panel_block(a0, a1, stride, b, num_steps, sums, rows > TILE, m0 == 0);
+        store_block(sums, (int)rows, y + m0 * n_size, n_size, p * PANEL, bias);
+      }
+    }
+    _tile_release();
+  }
+  free(pad);
+  return 0;
+}
+
+#else
+int gemm_amx_available(void) { return 0; }
+int64_t gemm_amx_numel(int64_t n_size, int64_t k_size) { (void)n_size; (void)k_size; return 0; }
+void gemm_amx_pack(const uint16_t *w, uint16_t *out, int64_t n_size, int64_t k_size) {
+  (void)w; (void)out; (void)n_size; (void)k_size;
+}
+int gemm_amx_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int64_t m_size,
+                  int64_t n_size, int64_t k_size) {
+  (void)x; (void)packed; (void)bias; (void)y; (void)m_size; (void)n_size; (void)k_size;
+  return 1;
+}
+#endif
