@@ -92,6 +92,13 @@ def make_servers(names: list[str], dtype: str, install: bool, bf16_max_concurren
                                         f"to 8 rows, oneDNN above; c<={bf16_max_concurrency} only")
             server.max_concurrency = bf16_max_concurrency
             servers.append(server)
+        elif name == "spindle-bf16-onednn":  # the same without the AMX GEMM, for the comparison
+            server = SpindleServer(name, env={"SPINDLE_DTYPE": "bfloat16", "SPINDLE_CPU_AMX_GEMM": "false"},
+                                   note="bfloat16 as spindle-bf16 with --cpu-amx-gemm false: oneDNN's GEMM above the "
+                                        f"column tiles' rows (the same as spindle-bf16 without AMX-BF16); "
+                                        f"c<={bf16_max_concurrency} only")
+            server.max_concurrency = bf16_max_concurrency
+            servers.append(server)
         elif name == "spindle-int8":
             server = SpindleServer("spindle-int8", env={"SPINDLE_DTYPE": "bfloat16", "SPINDLE_QUANTIZATION": "int8"},
                                    note="weight-only int8 matmul weights (per-channel scales), bfloat16 activations "

@@ -87,7 +87,7 @@ def _stub_timing(monkeypatch, amx_wins_up_to: int) -> list[int]:
 
 
 @pytest.mark.parametrize("amx_wins_up_to, min_rows, limit, num_timed",
-                         [(128, 8, 128, 6), (512, 8, 512, 6), (0, 8, 0, 2), (64, 32, 64, 3)])
+                         [(128, 8, 128, 8), (512, 8, 512, 10), (0, 8, 0, 2), (64, 32, 64, 4)])
 def test_the_limit_is_the_last_win_before_onednn_wins_twice(monkeypatch, amx_wins_up_to, min_rows, limit, num_timed):
     timed = _stub_timing(monkeypatch, amx_wins_up_to)
     selector = AmxRowSelector()

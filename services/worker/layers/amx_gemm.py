@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 K_MULTIPLE = 32  # the kernel reads x in place as tiles of 32 input positions
-ROW_GRID = (16, 32, 64, 128, 256, 512)  # row counts timed against oneDNN
+ROW_GRID = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)  # row counts timed against oneDNN
 
 
 @dataclass(frozen=True)
