@@ -19,7 +19,7 @@ GOAL_OVERHEAD_MS = 1.0
 PAIRS = (("spindle-bf16", "openvino-bf16", "bfloat16"), ("spindle-bf16-kv8", "openvino-bf16", "bfloat16"),
          ("spindle-int8", "openvino-int8", "int8"), ("spindle-int8-kv8", "openvino-int8", "int8"),
          ("spindle-w8a8", "openvino-int8", "int8"), ("spindle-w8a8-kv8", "openvino-int8", "int8"),
-         ("spindle-w8a8-g32", "openvino-int8", "int8"), ("spindle-w8a8-rows", "openvino-int8", "int8"))
+         ("spindle-w8a8-rows", "openvino-int8", "int8"))
 # In accuracy, on 32 chat prompts against float32 (benchmarks.engine_drift, Zen 4, docs/benchmarks.md),
 # tokens kept of 64 greedy: OpenVINO's int8 20.9 (asymmetric per-channel weights, activations with a
 # scale per 32 values); Spindle's W8A8 as OpenVINO's (the default on the int8 tiles) 22.0-22.2, with
@@ -28,7 +28,6 @@ PAIRS = (("spindle-bf16", "openvino-bf16", "bfloat16"), ("spindle-bf16-kv8", "op
 # as OpenVINO's int8 is added.
 BATCH_PAIR_NOTES = {("spindle-w8a8", "openvino-int8"): "like configuration and accuracy",
                     ("spindle-w8a8-kv8", "openvino-int8"): "like configuration and accuracy",
-                    ("spindle-w8a8-g32", "openvino-int8"): "like configuration and accuracy",
                     ("spindle-w8a8-rows", "openvino-int8"): "like configuration, not accuracy",
                     ("spindle-bf16-kv8", "openvino-int8"): "like accuracy"}
 ACCURACY_PAIRS = (("spindle-bf16-kv8", "openvino-int8"),)

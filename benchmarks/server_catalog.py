@@ -14,13 +14,14 @@ from benchmarks.servers import ProcessServer, Server, SpindleServer, free_port, 
 # The rows with the int8 KV cache: their --quantization and what their weights are.
 KV8_ROWS = {"spindle-bf16-kv8": ("none", "bfloat16 weights"),
             "spindle-int8-kv8": ("int8", "weight-only int8 matmul weights, bfloat16 activations"),
-            "spindle-w8a8-kv8": ("w8a8", "int8 matmul weights, W8A8")}
+            "spindle-w8a8-kv8": ("w8a8", "int8 matmul weights, W8A8 in groups of 32")}
 
-# The W8A8 rows: their --w8a8-group-size (None: auto) and how their activations are quantized.
-W8A8_ROWS = {"spindle-w8a8": (None, "in groups of 32 on the int8 tiles (per row where the CPU lacks them "
-                                    "or has AMX-INT8)"),
-             "spindle-w8a8-rows": ("0", "per row"),
-             "spindle-w8a8-g32": ("32", "in groups of 32 on the int8 tiles at every row count")}
+# The W8A8 rows: their --w8a8-group-size and how their activations are quantized. Explicit, not
+# auto: auto takes one scale per row where the CPU has AMX-INT8, and a row must be the same
+# configuration (and accuracy) on every machine. Groups need the int8 tiles (AVX512_VNNI and
+# AVX512_BF16); where they are missing the row does not start and says so.
+W8A8_GROUPS = {"spindle-w8a8": ("32", "in groups of 32 (asymmetric weights; as OpenVINO's int8)"),
+               "spindle-w8a8-rows": ("0", "per row (symmetric weights)")}
 
 
 def model_folder() -> str:
@@ -105,14 +106,12 @@ def make_servers(names: list[str], dtype: str, install: bool, bf16_max_concurren
                                         f"and KV cache; c<={bf16_max_concurrency} only")
             server.max_concurrency = bf16_max_concurrency
             servers.append(server)
-        elif name in W8A8_ROWS:
-            group_size, activations = W8A8_ROWS[name]
-            env = {"SPINDLE_DTYPE": "bfloat16", "SPINDLE_QUANTIZATION": "w8a8",
-                   **({"SPINDLE_W8A8_GROUP_SIZE": group_size} if group_size else {})}
+        elif name in W8A8_GROUPS:
+            group_size, activations = W8A8_GROUPS[name]
+            env = {"SPINDLE_DTYPE": "bfloat16", "SPINDLE_QUANTIZATION": "w8a8", "SPINDLE_W8A8_GROUP_SIZE": group_size}
             server = SpindleServer(name, env=env,
                                    note="int8 matmul weights (per-channel scales); matmuls quantize their "
-                                        f"bfloat16 activations {activations} (W8A8, the CPU's int8 dot products; "
-                                        "up to 16 rows weight-only where the CPU lacks the int8 tiles); "
+                                        f"bfloat16 activations {activations} (W8A8, the CPU's int8 dot products); "
                                         f"c<={bf16_max_concurrency} only")
             server.max_concurrency = bf16_max_concurrency
             servers.append(server)
@@ -121,6 +120,8 @@ def make_servers(names: list[str], dtype: str, install: bool, bf16_max_concurren
             env = {"SPINDLE_DTYPE": "bfloat16", "SPINDLE_KV_CACHE_DTYPE": "int8"}
             if quantization != "none":
                 env["SPINDLE_QUANTIZATION"] = quantization
+            if quantization == "w8a8":
+                env["SPINDLE_W8A8_GROUP_SIZE"] = W8A8_GROUPS["spindle-w8a8"][0]
             server = SpindleServer(name, env=env,
                                    note=f"{weights}, int8 KV cache (rows about their midpoint: a scale and a "
                                         f"midpoint per token and KV head); c<={bf16_max_concurrency} only")

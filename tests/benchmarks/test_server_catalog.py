@@ -15,19 +15,21 @@ def test_the_int8_kv_cache_rows_set_the_cache_dtype_beside_their_weights():
 
 def test_the_w8a8_row_quantizes_its_int8_weights_activations_too():
     (w8a8,) = make_servers(["spindle-w8a8"], "float32", install=False, bf16_max_concurrency=32)
-    assert w8a8.env == {"SPINDLE_DTYPE": "bfloat16", "SPINDLE_QUANTIZATION": "w8a8"}
+    assert w8a8.env == {"SPINDLE_DTYPE": "bfloat16", "SPINDLE_QUANTIZATION": "w8a8", "SPINDLE_W8A8_GROUP_SIZE": "32"}
     assert w8a8.max_concurrency == 32 and "W8A8" in w8a8.note
 
 
 def test_the_w8a8_row_with_the_int8_kv_cache():
     (row,) = make_servers(["spindle-w8a8-kv8"], "float32", install=False, bf16_max_concurrency=64)
-    assert row.env == {"SPINDLE_DTYPE": "bfloat16", "SPINDLE_KV_CACHE_DTYPE": "int8", "SPINDLE_QUANTIZATION": "w8a8"}
+    assert row.env == {"SPINDLE_DTYPE": "bfloat16", "SPINDLE_KV_CACHE_DTYPE": "int8", "SPINDLE_QUANTIZATION": "w8a8",
+                       "SPINDLE_W8A8_GROUP_SIZE": "32"}
     assert "W8A8" in row.note and "int8 KV cache" in row.note
 
 
-def test_the_per_row_w8a8_row_sets_one_activation_scale_per_row():
+def test_the_w8a8_rows_name_their_activation_groups_on_every_machine():
+    # Not auto: auto is per row where the CPU has AMX-INT8, which would change a row's accuracy.
     grouped, rows = make_servers(["spindle-w8a8", "spindle-w8a8-rows"], "float32", install=False,
                                  bf16_max_concurrency=64)
-    assert "SPINDLE_W8A8_GROUP_SIZE" not in grouped.env and "groups of 32" in grouped.note
+    assert grouped.env["SPINDLE_W8A8_GROUP_SIZE"] == "32" and "groups of 32" in grouped.note
     assert rows.env == {"SPINDLE_DTYPE": "bfloat16", "SPINDLE_QUANTIZATION": "w8a8", "SPINDLE_W8A8_GROUP_SIZE": "0"}
     assert "activations per row" in rows.note
