@@ -81,7 +81,8 @@ class CpuPlatform(Platform):
         `w8a8`: the passes around the int8 GEMM that `--quantization w8a8` needs.
         `decode_layers`: the compiled decoder stack for few-row decode steps (models/decode_stack.py).
         `tile_rows`: each bfloat16 weight shape's row limit on the column tiles (None: the GEMV's
-        `max_tile_rows` for all)."""
+        `max_tile_rows` for all). `amx_gemm`: the AMX-BF16 GEMM for bfloat16 matmuls above the tiles'
+        rows (None: oneDNN takes them), up to each shape's limit from `amx_rows`."""
         if quantization == "w8a8" and w8a8 is None:
             raise ValueError("--quantization w8a8 needs the compiled CPU kernels, which did not build or load "
                              "here (see the log above); use --quantization int8")
