@@ -11,10 +11,13 @@ from benchmarks.repeats import log
 from benchmarks.servers import ProcessServer, Server, SpindleServer, free_port, transformers_serve_dtype
 
 
-# The rows with the int8 KV cache: their --quantization and what their weights are.
-KV8_ROWS = {"spindle-bf16-kv8": ("none", "bfloat16 weights"),
-            "spindle-int8-kv8": ("int8", "weight-only int8 matmul weights, bfloat16 activations"),
-            "spindle-w8a8-kv8": ("w8a8", "int8 matmul weights, W8A8 in groups of 32")}
+# The rows with the int8 KV cache: their weights' variables (those of the row without the cache)
+# and what their weights are.
+KV8_ROWS = {"spindle-bf16-kv8": ({}, "bfloat16 weights"),
+            "spindle-int8-kv8": ({"SPINDLE_QUANTIZATION": "int8"},
+                                 "weight-only int8 matmul weights, bfloat16 activations"),
+            "spindle-w8a8-kv8": ({"SPINDLE_QUANTIZATION": "w8a8", "SPINDLE_W8A8_GROUP_SIZE": "32"},
+                                 "int8 matmul weights, W8A8 in groups of 32")}
 
 # The W8A8 rows: their --w8a8-group-size and how their activations are quantized. Explicit, not
 # auto: auto takes one scale per row where the CPU has AMX-INT8, and a row must be the same
@@ -116,12 +119,8 @@ def make_servers(names: list[str], dtype: str, install: bool, bf16_max_concurren
             server.max_concurrency = bf16_max_concurrency
             servers.append(server)
         elif name in KV8_ROWS:  # as OpenVINO's CPU plugin keeps its cache: 8-bit
-            quantization, weights = KV8_ROWS[name]
-            env = {"SPINDLE_DTYPE": "bfloat16", "SPINDLE_KV_CACHE_DTYPE": "int8"}
-            if quantization != "none":
-                env["SPINDLE_QUANTIZATION"] = quantization
-            if quantization == "w8a8":
-                env["SPINDLE_W8A8_GROUP_SIZE"] = W8A8_GROUPS["spindle-w8a8"][0]
+            weight_env, weights = KV8_ROWS[name]
+            env = {"SPINDLE_DTYPE": "bfloat16", "SPINDLE_KV_CACHE_DTYPE": "int8", **weight_env}
             server = SpindleServer(name, env=env,
                                    note=f"{weights}, int8 KV cache (rows about their midpoint: a scale and a "
                                         f"midpoint per token and KV head); c<={bf16_max_concurrency} only")

@@ -31,9 +31,7 @@
 #define MBLOCK 32   /* x rows per block: two A tiles */
 #define STEP_ELEMS (2 * 16 * 32) /* bfloat16 values of a panel's step: two B tiles, 2 KB */
 #define MIN_PARALLEL_PANELS 4
-#ifndef PREFETCH_STEPS
 #define PREFETCH_STEPS 16 /* panel steps (2 KB each) prefetched into L2 ahead of the first row block */
-#endif
 
 struct tile_config {
   uint8_t palette_id, start_row, reserved[14];
@@ -107,7 +105,7 @@ static inline void panel_block(const uint16_t *a0, const uint16_t *a1, int64_t a
   if (two_row_tiles) { _tile_zero(2); _tile_zero(3); }
   for (int64_t s = 0; s < num_steps; s++) {
     const uint16_t *bs = b + s * STEP_ELEMS;
-    if (prefetch && PREFETCH_STEPS)
+    if (prefetch)
       for (int l = 0; l < 32; l++) _mm_prefetch((const char *)(bs + PREFETCH_STEPS * STEP_ELEMS) + 64 * l, _MM_HINT_T1);
     _tile_loadd(6, bs, 64);
     _tile_loadd(7, bs + 16 * 32, 64);
