@@ -25,9 +25,19 @@
 
 #include "decode_common.h"
 
+/* paged_decode_amx.c: the bfloat16 cache's passes on the AMX tile unit */
+int paged_decode_amx_supports(int head_dim, int group, int block_size);
+int64_t paged_decode_amx_floats(int64_t max_seq_len, int group);
+int paged_decode_bf16_amx(const float *query, const uint16_t *key_cache, const uint16_t *value_cache,
+                          const int64_t *block_table, int64_t block_table_stride, const int64_t *seq_lens, float *out,
+                          int64_t num_reqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
+                          float scale, int64_t max_seq_len, float *scratch, int64_t per_thread, int num_threads);
+
 /* Floats of scratch one thread needs, for the wrapper to allocate (both decode kernels). */
 int64_t scratch_floats_per_thread(int64_t max_seq_len, int group, int head_dim) {
-  return decode_scratch_floats(max_seq_len, group, head_dim);
+  const int64_t vector = decode_scratch_floats(max_seq_len, group, head_dim);
+  const int64_t tiles = paged_decode_amx_floats(max_seq_len, group);
+  return tiles > vector ? tiles : vector;
 }
 
 /* Rows are prefetched into L2 this many chunks ahead. One chunk ahead into L1 left the loop
@@ -210,4 +220,21 @@ static inline __attribute__((always_inline)) void rows_bf16(
   }
 
 DEFINE_DECODE(paged_decode_f32, float, rows_f32, KEY_SCORES_NONE, VALUE_SUMS_NONE)
-DEFINE_DECODE(paged_decode_bf16, uint16_t, rows_bf16, KEY_SCORES_BF16_DOT, VALUE_SUMS_BF16_DOT)
+DEFINE_DECODE(paged_decode_bf16_vector, uint16_t, rows_bf16, KEY_SCORES_BF16_DOT, VALUE_SUMS_BF16_DOT)
+
+/* A bfloat16 cache: on the AMX tile unit where paged_decode_amx.c serves the shape, else the
+ * vector passes. */
+int paged_decode_bf16(const float *query, const uint16_t *key_cache, const uint16_t *value_cache,
+                      const int64_t *block_table, int64_t block_table_stride, const int64_t *seq_lens, float *out,
+                      int64_t num_reqs, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
+                      int64_t max_seq_len, float *scratch, int num_threads) {
+  if (num_kv_heads > 0 && num_heads % num_kv_heads == 0 &&
+      paged_decode_amx_supports(head_dim, num_heads / num_kv_heads, block_size))
+    return paged_decode_bf16_amx(query, key_cache, value_cache, block_table, block_table_stride, seq_lens, out,
+                                 num_reqs, num_heads, num_kv_heads, head_dim, block_size, scale, max_seq_len, scratch,
+                                 scratch_floats_per_thread(max_seq_len, num_heads / num_kv_heads, head_dim),
+                                 num_threads);
+  return paged_decode_bf16_vector(query, key_cache, value_cache, block_table, block_table_stride, seq_lens, out,
+                                  num_reqs, num_heads, num_kv_heads, head_dim, block_size, scale, max_seq_len, scratch,
+                                  num_threads);
+}

@@ -111,7 +111,8 @@ class CpuPlatform(Platform):
         kernels = None
         if config.attention_backend != "torch":
             kernels = load_cpu_kernels(Path(config.cache_dir) if config.cache_dir else None)
-        backend, layer_ops = _backend_and_ops(kernels, dtype, heads, config.kv_cache_dtype)
+        backend, layer_ops = _backend_and_ops(kernels, dtype, heads, config.kv_cache_dtype,
+                                              config.cpu_amx_attention)
         sampler = TorchSampler(CpuTokenBitmask(kernels)) if kernels is not None else TorchSampler()
         gemv_on = kernels is not None and config.cpu_gemv
         amx_gemm = None
@@ -177,7 +178,7 @@ class CpuPlatform(Platform):
 
 
 def _backend_and_ops(kernels: ctypes.CDLL | None, dtype: torch.dtype, heads: AttentionHeads,
-                     kv_cache_dtype: str = "auto") -> tuple[AttentionBackend, LayerOps]:
+                     kv_cache_dtype: str = "auto", amx_attention: bool = True) -> tuple[AttentionBackend, LayerOps]:
     """Decode tokens on the compiled kernel where it serves the cache dtype (the model's, or int8)
     and the heads, prefills likewise on theirs (bfloat16 on CPUs with AVX512_BF16); the fused layer
     ops wherever the library loaded. An int8 cache without its kernels is refused."""
@@ -199,6 +200,8 @@ def _backend_and_ops(kernels: ctypes.CDLL | None, dtype: torch.dtype, heads: Att
         return Int8CacheCpuBackend(int8_kernel, Int8KVWriter(kernels), Int8KVDequantizer(kernels),
                                    heads.num_kv_heads, heads.head_dim, prefill_kernel), layer_ops
     kernel = PagedDecodeKernel(kernels)
+    if dtype == torch.bfloat16 and kernel.use_amx(amx_attention):
+        logger.info("decode attention on the AMX tile unit where head_dim is 64 and blocks hold 16k tokens")
     if not kernel.supports(dtype, heads.head_dim, heads.num_heads, heads.num_kv_heads):
         logger.info("no compiled decode kernel for %s, %s: PyTorch decode attention", dtype, heads)
         return TorchAttentionBackend(), layer_ops
