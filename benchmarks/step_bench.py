@@ -32,9 +32,13 @@ def make_worker(dtype: str, kv_cache_bytes: int, attention_backend: str = "auto"
     return worker
 
 
-def run_batch(worker: Worker, batch_size: int, prompt_len: int, num_decode_steps: int) -> dict:
+def run_batch(worker: Worker, batch_size: int, prompt_len: int, num_decode_steps: int,
+              max_num_batched_tokens: int | None = None) -> dict:
+    """Every prompt in the first step unless `max_num_batched_tokens` caps it (then the first step
+    is a prefill of that many tokens, as the engine runs one under load)."""
     spec = worker.describe_kv_cache()
-    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=max(2048, batch_size * prompt_len)),
+    budget = max_num_batched_tokens or max(2048, batch_size * prompt_len)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=budget),
                           spec.num_blocks, spec.block_size, spec.max_model_len)
     worker.model_runner.reset()
     for i in range(batch_size):

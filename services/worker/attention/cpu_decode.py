@@ -25,20 +25,6 @@ class PagedDecodeKernel:
             self._functions[dtype] = function
         self._scratch_floats = library.scratch_floats_per_thread
         self._scratch_floats.argtypes, self._scratch_floats.restype = [_I64, _I32, _I32], _I64
-        self._amx_enable = library.paged_decode_amx_enable
-        self._amx_enable.argtypes, self._amx_enable.restype = [_I32], _I32
-        self._amx_enabled = library.paged_decode_amx_enabled
-        self._amx_enabled.argtypes, self._amx_enabled.restype = [], _I32
-
-    def use_amx(self, enable: bool) -> bool:
-        """Whether a bfloat16 cache is read on the AMX tile unit (csrc/paged_decode_amx.c) where the
-        shape allows; True when asked for and the library and CPU have AMX-BF16. The switch is the
-        library's: it holds for every caller in the process (the fused decode layers too)."""
-        return bool(self._amx_enable(int(enable)))
-
-    @property
-    def amx_in_use(self) -> bool:
-        return bool(self._amx_enabled())
 
     def supports(self, cache_dtype: torch.dtype, head_dim: int, num_heads: int = 1, num_kv_heads: int = 1) -> bool:
         return (cache_dtype in self._functions and 0 < head_dim <= MAX_HEAD_DIM and head_dim % 8 == 0

@@ -5,8 +5,9 @@
  *
  * Why: on a 2-core Sapphire Rapids-class VM the VDPBF16PS passes took 1.05 ms a layer for 48
  * requests of 375 tokens with the cache in the last-level cache, one thread: the horizontal sums
- * of the key pass and the pair interleave of the value pass, not the bytes, set the pace
- * (docs/benchmarks.md, "AMX decode attention"). On the tiles:
+ * of the key pass and the pair interleave of the value pass set the pace as much as the bytes.
+ * On the tiles 1.1x from memory, where the tile loads then wait on the scattered rows
+ * (docs/benchmarks.md, "Attention on AMX tiles"). On the tiles:
  * - keys: S^T [16 tokens][group] = K [16 tokens][64] . Q^T, the cached key rows loaded as A tiles
  *   where they lie (row stride: one token of all KV heads), Q^T as two B tiles made once per item;
  * - values: O [group][64] = P [group][tokens] . V [tokens][64], the cached value rows loaded as B
@@ -43,6 +44,8 @@ int paged_decode_amx_supports(int head_dim, int group, int block_size);
 
 int gemm_amx_available(void); /* gemm_amx_bf16.c: asks the kernel for the tile state once */
 
+/* The library's switch for attention on the tiles, decode and prefill (paged_prefill_amx.h): on
+ * by default, set by the worker from --cpu-amx-attention (attention/amx_attention.py). */
 static int amx_enabled = 1;
 
 struct tile_config {
@@ -74,7 +77,8 @@ static void config_values(int group) {
   cfg.palette_id = 1;
   set_tile(&cfg, 0, TOKENS, 64), set_tile(&cfg, 1, TOKENS, 64);
   set_tile(&cfg, 5, group, 64), set_tile(&cfg, 6, group, 64);
-  set_tile(&cfg, 2, group, 64), set_tile(&cfg, 3, group, 64), set_tile(&cfg, 4, group, 64), set_tile(&cfg, 7, group, 64);
+  set_tile(&cfg, 2, group, 64), set_tile(&cfg, 3, group, 64);
+  set_tile(&cfg, 4, group, 64), set_tile(&cfg, 7, group, 64);
   _tile_loadconfig(&cfg);
 }
 
@@ -265,12 +269,12 @@ int64_t paged_decode_amx_floats(int64_t max_seq_len, int group) {
   return item_floats((max_seq_len + TOKENS - 1) / TOKENS, group);
 }
 
-int paged_decode_amx_enable(int enable) {
+int attention_amx_enable(int enable) {
   amx_enabled = enable != 0;
   return amx_enabled && gemm_amx_available();
 }
 
-int paged_decode_amx_enabled(void) { return amx_enabled && gemm_amx_available(); }
+int attention_amx_enabled(void) { return amx_enabled && gemm_amx_available(); }
 #else
 int paged_decode_amx_supports(int head_dim, int group, int block_size) {
   (void)head_dim, (void)group, (void)block_size;
@@ -292,10 +296,10 @@ int64_t paged_decode_amx_floats(int64_t max_seq_len, int group) {
   return 0;
 }
 
-int paged_decode_amx_enable(int enable) {
+int attention_amx_enable(int enable) {
   (void)enable;
   return 0;
 }
 
-int paged_decode_amx_enabled(void) { return 0; }
+int attention_amx_enabled(void) { return 0; }
 #endif

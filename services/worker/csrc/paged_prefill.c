@@ -39,6 +39,7 @@
  * Shapes, lengths and block ids are checked before any work: a bad call returns a status, never
  * reads out of bounds.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -92,6 +93,7 @@ typedef struct {
   __m512i *prob_pairs;   /* [ROW_GROUPS][KV_TILE / 2] */
   uint16_t *keys;        /* [KV_TILE][head_dim] */
   uint32_t *value_pairs; /* [KV_TILE / 2][head_dim] */
+  uint32_t *key_pairs;   /* the AMX path's keys as B tiles (paged_prefill_amx.h) */
 } scratch;
 
 /* One buffer per thread, kept between calls (OpenMP reuses its threads): no allocation per layer. */
@@ -100,12 +102,13 @@ static __thread size_t tls_capacity;
 
 static int thread_scratch(int head_dim, scratch *s) {
   const size_t vec = sizeof(__m512);
-  const size_t sizes[6] = {ROW_GROUPS * (size_t)head_dim / 2 * vec, ROW_GROUPS * (size_t)head_dim * vec,
+  const size_t sizes[7] = {ROW_GROUPS * (size_t)head_dim / 2 * vec, ROW_GROUPS * (size_t)head_dim * vec,
                            ROW_GROUPS * (size_t)KV_TILE * vec, ROW_GROUPS * (size_t)KV_TILE / 2 * vec,
                            (size_t)KV_TILE * head_dim * sizeof(uint16_t),
+                           (size_t)KV_TILE / 2 * head_dim * sizeof(uint32_t),
                            (size_t)KV_TILE / 2 * head_dim * sizeof(uint32_t)};
   size_t total = 0;
-  for (int i = 0; i < 6; i++) total += sizes[i];
+  for (int i = 0; i < 7; i++) total += sizes[i];
   if (total > tls_capacity) {
     free(tls_buffer);
     tls_buffer = aligned_alloc(64, total);
@@ -113,9 +116,9 @@ static int thread_scratch(int head_dim, scratch *s) {
     if (!tls_buffer) return 0;
   }
   char *p = tls_buffer;
-  void **slots[6] = {(void **)&s->q_pairs, (void **)&s->acc, (void **)&s->scores, (void **)&s->prob_pairs,
-                     (void **)&s->keys, (void **)&s->value_pairs};
-  for (int i = 0; i < 6; i++) *slots[i] = p, p += sizes[i];
+  void **slots[7] = {(void **)&s->q_pairs, (void **)&s->acc, (void **)&s->scores, (void **)&s->prob_pairs,
+                     (void **)&s->keys, (void **)&s->value_pairs, (void **)&s->key_pairs};
+  for (int i = 0; i < 7; i++) *slots[i] = p, p += sizes[i];
   return 1;
 }
 
@@ -265,6 +268,8 @@ static inline __attribute__((always_inline)) void load_tile(
       _mm512_store_si512(s->value_pairs + kp * head_dim + 32 * c + 16, _mm512_permutex2var_epi16(x, high, y));
     }
 }
+
+#include "paged_prefill_amx.h" /* the work item on AMX tiles, head_dim 64 */
 
 #define DISPATCH_GROUPS(NG, CALL) \
   switch (NG) {                   \
@@ -424,6 +429,7 @@ static int attend_slices(const prefill_args *a, int64_t num_slices, int head_dim
   if (num_threads > num_items) num_threads = (int)num_items;
   if (num_threads < 1) num_threads = 1;
   int failed = 0;
+  const int on_tiles = PREFILL_AMX && head_dim == 64 && attention_amx_enabled();
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (num_threads > 1)
   for (int64_t i = 0; i < num_items; i++) {
     scratch s;
@@ -431,7 +437,9 @@ static int attend_slices(const prefill_args *a, int64_t num_slices, int head_dim
       failed = 1;
       continue;
     }
-    if (head_dim == 64)
+    if (on_tiles)
+      attend_item_amx(a, items + i, &s);
+    else if (head_dim == 64)
       attend_item(a, items + i, &s, 64);
     else if (head_dim == 128)
       attend_item(a, items + i, &s, 128);

@@ -24,6 +24,7 @@ from torch import nn
 from services.common.model_files import default_cache_dir
 from services.worker.attention.backend import AttentionBackend
 from services.worker.attention.cpu_backend import CpuAttentionBackend
+from services.worker.attention.amx_attention import use_amx_attention
 from services.worker.attention.cpu_decode import PagedDecodeKernel
 from services.worker.attention.cpu_decode_int8 import PagedDecodeInt8Kernel
 from services.worker.attention.cpu_int8_backend import Int8CacheCpuBackend
@@ -192,6 +193,9 @@ def _backend_and_ops(kernels: ctypes.CDLL | None, dtype: torch.dtype, heads: Att
     if not prefill_kernel.supports(dtype, heads.head_dim, heads.num_heads, heads.num_kv_heads):
         logger.info("no compiled prefill kernel for %s, %s: PyTorch SDPA for prefills", dtype, heads)
         prefill_kernel = None
+    if dtype == torch.bfloat16 and use_amx_attention(kernels, amx_attention):
+        logger.info("attention on the AMX tile unit where head_dim is 64 (decode: a bfloat16 cache in blocks of "
+                    "16k tokens)")
     if kv_cache_dtype == "int8":
         int8_kernel = PagedDecodeInt8Kernel(kernels)
         if not int8_kernel.supports(heads.head_dim, heads.num_heads, heads.num_kv_heads):
@@ -200,8 +204,6 @@ def _backend_and_ops(kernels: ctypes.CDLL | None, dtype: torch.dtype, heads: Att
         return Int8CacheCpuBackend(int8_kernel, Int8KVWriter(kernels), Int8KVDequantizer(kernels),
                                    heads.num_kv_heads, heads.head_dim, prefill_kernel), layer_ops
     kernel = PagedDecodeKernel(kernels)
-    if dtype == torch.bfloat16 and kernel.use_amx(amx_attention):
-        logger.info("decode attention on the AMX tile unit where head_dim is 64 and blocks hold 16k tokens")
     if not kernel.supports(dtype, heads.head_dim, heads.num_heads, heads.num_kv_heads):
         logger.info("no compiled decode kernel for %s, %s: PyTorch decode attention", dtype, heads)
         return TorchAttentionBackend(), layer_ops
