@@ -103,6 +103,13 @@ def make_servers(names: list[str], dtype: str, install: bool, bf16_max_concurren
                                         f"c<={bf16_max_concurrency} only")
             server.max_concurrency = bf16_max_concurrency
             servers.append(server)
+        elif name == "spindle-bf16-avx512-attention":  # the same with attention off the AMX tiles
+            server = SpindleServer(name, env={"SPINDLE_DTYPE": "bfloat16", "SPINDLE_CPU_AMX_ATTENTION": "false"},
+                                   note="bfloat16 as spindle-bf16 with --cpu-amx-attention false: prefill and decode "
+                                        "attention on the AVX-512 kernels (the same as spindle-bf16 without "
+                                        f"AMX-BF16); c<={bf16_max_concurrency} only")
+            server.max_concurrency = bf16_max_concurrency
+            servers.append(server)
         elif name == "spindle-int8":
             server = SpindleServer("spindle-int8", env={"SPINDLE_DTYPE": "bfloat16", "SPINDLE_QUANTIZATION": "int8"},
                                    note="weight-only int8 matmul weights (per-channel scales), bfloat16 activations "
