@@ -100,9 +100,11 @@ def test_decode_on_tiles_gives_the_vector_results_and_stale_rows_never_reach_the
 
 
 def test_decode_shapes_the_tiles_do_not_serve_stay_on_the_vector_passes(library):
-    """head_dim 128 and blocks of 8 tokens: the same results with the switch on as off."""
-    for num_kv_heads, head_dim, block_size in ((3, 128, 16), (3, 64, 8)):
-        batch = _decode_batch([5, 40, 77], 9, num_kv_heads, head_dim, block_size, seed=head_dim + block_size)
+    """head_dim 128, blocks of 8 tokens, and steps of fewer than 4 requests: the same results with
+    the switch on as off."""
+    for num_kv_heads, head_dim, block_size, seq_lens in ((3, 128, 16, [5, 40, 77, 9]), (3, 64, 8, [5, 40, 77, 9]),
+                                                        (3, 64, 16, [5, 40, 77])):
+        batch = _decode_batch(seq_lens, 9, num_kv_heads, head_dim, block_size, seed=head_dim + block_size)
         on, off = _decode(library, batch, True), _decode(library, batch, False)
         assert torch.equal(on, off)
         assert (on - _decode_reference(batch)).abs().max() < 4e-3
