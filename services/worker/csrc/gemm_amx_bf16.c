@@ -21,6 +21,8 @@
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #include <sys/syscall.h>
+
+#include "amx_tiles.h"
 #include <unistd.h>
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
@@ -32,20 +34,6 @@
 #define STEP_ELEMS (2 * 16 * 32) /* bfloat16 values of a panel's step: two B tiles, 2 KB */
 #define MIN_PARALLEL_PANELS 4
 #define PREFETCH_STEPS 16 /* panel steps (2 KB each) prefetched into L2 ahead of the first row block */
-
-struct tile_config {
-  uint8_t palette_id, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-static void load_config(void) {
-  struct tile_config cfg;
-  memset(&cfg, 0, sizeof cfg);
-  cfg.palette_id = 1;
-  for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
-  _tile_loadconfig(&cfg);
-}
 
 /* Asks the kernel for the tile state (Linux 5.16+); 1 where AMX may be used in this process. */
 int gemm_amx_available(void) {
@@ -144,7 +132,7 @@ int gemm_amx_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bia
   const int64_t stride = k_size * 2;
 #pragma omp parallel if (num_panels >= MIN_PARALLEL_PANELS)
   {
-    load_config();
+    load_uniform_tiles();
     float sums[MBLOCK * PANEL] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < num_panels; p++) {

@@ -26,7 +26,7 @@
 int paged_decode_amx_supports(int head_dim, int group, int block_size);
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
-#include <immintrin.h>
+#include "amx_tiles.h"
 #ifdef _OPENMP
 #include <omp.h>
 #define AMX_THREAD_NUM() omp_get_thread_num()
@@ -42,28 +42,14 @@ int paged_decode_amx_supports(int head_dim, int group, int block_size);
  * head's item, all ran within the noise of each other (48 requests x 375 tokens). */
 #define PREFETCH_TILES 4
 
-int gemm_amx_available(void); /* gemm_amx_bf16.c: asks the kernel for the tile state once */
-
 /* The library's switch for attention on the tiles, decode and prefill (paged_prefill_amx.h): on
  * by default, set by the worker from --cpu-amx-attention (attention/amx_attention.py). */
 static int amx_enabled = 1;
 
-struct tile_config {
-  uint8_t palette_id, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-static void set_tile(struct tile_config *cfg, int tile, int rows, int colsb) {
-  cfg->rows[tile] = (uint8_t)rows;
-  cfg->colsb[tile] = (uint16_t)colsb;
-}
-
 /* Keys: tmm0-1 K (16 tokens x 32 values), tmm2-3 Q^T (16 pairs x group), tmm4 S^T (16 x group). */
 static void config_keys(int group) {
   struct tile_config cfg;
-  memset(&cfg, 0, sizeof cfg);
-  cfg.palette_id = 1;
+  tile_config_init(&cfg);
   set_tile(&cfg, 0, TOKENS, 64), set_tile(&cfg, 1, TOKENS, 64);
   set_tile(&cfg, 2, 16, 4 * group), set_tile(&cfg, 3, 16, 4 * group), set_tile(&cfg, 4, TOKENS, 4 * group);
   _tile_loadconfig(&cfg);
@@ -73,8 +59,7 @@ static void config_keys(int group) {
  * tmm2-3 the even and odd sums of values 0-31, tmm4 and tmm7 of values 32-63 (group x 16). */
 static void config_values(int group) {
   struct tile_config cfg;
-  memset(&cfg, 0, sizeof cfg);
-  cfg.palette_id = 1;
+  tile_config_init(&cfg);
   set_tile(&cfg, 0, TOKENS, 64), set_tile(&cfg, 1, TOKENS, 64);
   set_tile(&cfg, 5, group, 64), set_tile(&cfg, 6, group, 64);
   set_tile(&cfg, 2, group, 64), set_tile(&cfg, 3, group, 64);

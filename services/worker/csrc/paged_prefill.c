@@ -269,6 +269,23 @@ static inline __attribute__((always_inline)) void load_tile(
     }
 }
 
+/* Where an item's rows lie: its slice's first query token and context, how many rows it holds
+ * (up to ROWS_PER_ITEM) in how many 16-row groups, and the slice's blocks. Both work items (the
+ * vector one below, the tile one in paged_prefill_amx.h) take their rows from here. */
+typedef struct {
+  int64_t query_start, context_len;
+  int num_rows, ng;
+  const int64_t *blocks;
+} item_rows;
+
+static inline item_rows rows_of(const prefill_args *a, const work_item *item) {
+  const int64_t slice = item->slice;
+  const int64_t remaining = a->query_lens[slice] * a->group - item->first_row;
+  const int num_rows = remaining < ROWS_PER_ITEM ? (int)remaining : ROWS_PER_ITEM;
+  return (item_rows){a->query_starts[slice], a->seq_lens[slice] - a->query_lens[slice], num_rows,
+                     (num_rows + LANES - 1) / LANES, a->block_table + slice * a->block_table_stride};
+}
+
 #include "paged_prefill_amx.h" /* the work item on AMX tiles, head_dim 64 */
 
 #define DISPATCH_GROUPS(NG, CALL) \
@@ -281,13 +298,10 @@ static inline __attribute__((always_inline)) void load_tile(
 
 static inline __attribute__((always_inline)) void attend_item(const prefill_args *a, const work_item *item,
                                                               scratch *s, const int head_dim) {
-  const int64_t slice = item->slice, query_start = a->query_starts[slice];
-  const int64_t context_len = a->seq_lens[slice] - a->query_lens[slice];
-  const int group = a->group, first_row = item->first_row;
-  const int64_t remaining = a->query_lens[slice] * group - first_row;
-  const int num_rows = remaining < ROWS_PER_ITEM ? (int)remaining : ROWS_PER_ITEM;
-  const int ng = (num_rows + LANES - 1) / LANES;
-  const int64_t *blocks = a->block_table + slice * a->block_table_stride;
+  const item_rows span = rows_of(a, item);
+  const int64_t query_start = span.query_start, context_len = span.context_len;
+  const int group = a->group, first_row = item->first_row, num_rows = span.num_rows, ng = span.ng;
+  const int64_t *blocks = span.blocks;
   const int64_t head_offset = (int64_t)item->kv_head * head_dim;
 
   /* Each row's position; padding lanes repeat the last row, so they see key 0 and stay finite. */

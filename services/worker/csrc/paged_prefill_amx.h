@@ -21,34 +21,19 @@
 #define AMX_DIM 64
 #define AMX_KEYS 16 /* keys per score tile */
 
+#include "amx_tiles.h"
+
 int attention_amx_enabled(void); /* paged_decode_amx.c: the library's switch */
-
-struct prefill_tile_config {
-  uint8_t palette_id, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-static void prefill_tiles(void) {
-  struct prefill_tile_config cfg;
-  memset(&cfg, 0, sizeof cfg);
-  cfg.palette_id = 1;
-  for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-  _tile_loadconfig(&cfg);
-}
 
 /* The scratch of the vector path, laid out for tiles: q_pairs holds the packed queries
  * [ROWS_PER_ITEM][64] bfloat16, acc the output sums [ROWS_PER_ITEM][64], scores [ROWS_PER_ITEM]
  * [KV_TILE], prob_pairs the probabilities [ROWS_PER_ITEM][KV_TILE] bfloat16, key_pairs the
  * keys transposed [KV_TILE / 16][2][16 pairs][16 keys]. */
 static void attend_item_amx(const prefill_args *a, const work_item *item, scratch *s) {
-  const int64_t slice = item->slice, query_start = a->query_starts[slice];
-  const int64_t context_len = a->seq_lens[slice] - a->query_lens[slice];
-  const int group = a->group, first_row = item->first_row;
-  const int64_t remaining = a->query_lens[slice] * group - first_row;
-  const int num_rows = remaining < ROWS_PER_ITEM ? (int)remaining : ROWS_PER_ITEM;
-  const int ng = (num_rows + LANES - 1) / LANES;
-  const int64_t *blocks = a->block_table + slice * a->block_table_stride;
+  const item_rows span = rows_of(a, item);
+  const int64_t query_start = span.query_start, context_len = span.context_len;
+  const int group = a->group, first_row = item->first_row, num_rows = span.num_rows, ng = span.ng;
+  const int64_t *blocks = span.blocks;
   const int64_t head_offset = (int64_t)item->kv_head * AMX_DIM;
   uint16_t *q = (uint16_t *)s->q_pairs, *probs = (uint16_t *)s->prob_pairs;
   float *acc = (float *)s->acc, *scores = (float *)s->scores;
@@ -66,7 +51,7 @@ static void attend_item_amx(const prefill_args *a, const work_item *item, scratc
     max_score[r] = -__builtin_inff(), sum[r] = 0.f;
     memset(acc + r * AMX_DIM, 0, AMX_DIM * sizeof(float));
   }
-  prefill_tiles();
+  load_uniform_tiles();
   const __m512 log2_scale = _mm512_set1_ps(a->log2_scale);
   const int64_t num_keys = (int64_t)pos[num_rows - 1] + 1;
   for (int64_t k0 = 0; k0 < num_keys; k0 += KV_TILE) {
