@@ -13,6 +13,7 @@ from services.worker.model_loader import load_config, load_model
 from services.worker.model_runner import ModelRunner
 from services.worker.models.decode_stack import WEIGHTS_BF16, WEIGHTS_BF16_TILES, DecodeStack
 from services.worker.platforms import AttentionHeads, build_platform
+from services.worker.layers.amx_gemm import AmxRowSelector
 from services.worker.layers.tile_rows import TileRowSelector
 from tests.worker.harness import VOCAB_SIZE, MiniScheduler
 
@@ -113,10 +114,31 @@ def test_the_tiled_stack_takes_steps_of_more_rows_than_the_plain_gemv(tiny_llama
     assert all(torch.equal(a, b) for a, b in zip(fused.hidden, layered.hidden))
 
 
+def test_the_tiled_stack_takes_steps_above_the_tiles_on_the_amx_gemm(tiny_llama_dir, monkeypatch):
+    """The tiles' limit lowered to 6 rows: decode steps of 7-12 rows run on the stack with the AMX GEMM
+    above the tiles, as the layer path multiplies them, with its hidden states bit for bit."""
+    monkeypatch.setattr(TileRowSelector, "max_rows", lambda self, weight, tiled, gemv: 6)
+    fused_runner = _runner(tiny_llama_dir, torch.bfloat16, "none", fused=True)
+    stack = fused_runner.model.model.decode_stack
+    if stack.weight_kind != WEIGHTS_BF16_TILES or not all(stack.amx_rows):
+        pytest.skip("no AMX GEMM above the column tiles here (a CPU without AMX-BF16)")
+    assert stack.tile_rows == (6,) * 4 and stack.max_num_rows == min(stack.amx_rows) > 12
+    prompt_lens = [2 + i % 2 for i in range(12)]  # 30 tokens: one prefill step within the 32-token budget
+    fused, fused_tokens = _run(fused_runner, prompt_lens, max_tokens=6)
+    assert max(fused.stack_rows) > 6
+    layered, layered_tokens = _run(_runner(tiny_llama_dir, torch.bfloat16, "none", fused=False), prompt_lens,
+                                   max_tokens=6)
+    assert fused_tokens == layered_tokens
+    for step, (a, b) in enumerate(zip(fused.hidden, layered.hidden)):
+        assert torch.equal(a, b), f"step {step}: largest difference {(a.float() - b.float()).abs().max()}"
+
+
 @pytest.mark.parametrize("tiles", [True, False], ids=["tiles", "gemv"])
 def test_steps_of_more_rows_than_the_gemv_takes_keep_the_layer_path(tiny_llama_dir, tiles, monkeypatch):
-    # The tiles' limit (256 rows) lowered, so that a small runner can run steps above it.
+    # The tiles' limit (256 rows) and the AMX GEMM's above them lowered, so that a small runner can
+    # run steps above both.
     monkeypatch.setattr(TileRowSelector, "max_rows", lambda self, weight, tiled, gemv: 6)
+    monkeypatch.setattr(AmxRowSelector, "max_rows", lambda self, weight, gemm, min_rows: 9)
     runner = _runner(tiny_llama_dir, torch.bfloat16, "none", fused=True, tiles=tiles)
     stack = runner.model.model.decode_stack
     prompt_lens = [5 + i for i in range(stack.max_num_rows + 2)]

@@ -5,7 +5,8 @@
  * order on the same buffers, so its results are those of the layer-by-layer path bit for bit.
  *
  * Llama-family layers only (pre-norm, fused q/k/v and gate/up, rotate-half RoPE, SiLU), with every
- * matmul on a GEMV: bfloat16 weights (gemv.c, or their column tiles: gemm_tiles.c) for bfloat16
+ * matmul on a GEMV: bfloat16 weights (gemv.c, or their column tiles: gemm_tiles.c, and above the
+ * tiles' rows their AMX GEMM panels: gemm_amx_bf16.c) for bfloat16
  * activations, or int8 weights with float32 per-channel scales (gemv_int8.c) for float32 or
  * bfloat16 activations; the KV cache in the activations' dtype, or int8 (attention/int8_kv_cache.py:
  * rows written by kv_int8.c's writer, read by paged_decode_int8.c). The caller checks that a model
@@ -33,6 +34,8 @@ void gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint1
                int64_t k);
 int gemm_tiles_bf16(const uint16_t *x, const uint16_t *wt, const uint16_t *bias, uint16_t *y, int64_t m_size,
                     int64_t n_size, int64_t k_size);
+int gemm_amx_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int64_t m_size,
+                  int64_t n_size, int64_t k_size);
 int int8_tiles_bf16(const uint16_t *x, const uint8_t *wt, const float *w_scales, const uint16_t *bias, uint16_t *y,
                     int64_t m_size, int64_t n_size, int64_t k_size, int64_t group_size);
 int gemv_int8_f32(const float *x, const int8_t *q, const float *scales, const float *bias, float *y, int64_t m,
@@ -80,6 +83,10 @@ typedef struct {
   int64_t max_gemv_rows;
   int64_t kv_block_bytes, num_blocks;
   int64_t act_group_size; /* WEIGHTS_INT8_TILES: the tiles' activation groups (0: per row) */
+  /* WEIGHTS_BF16_TILES: each projection's column tiles take up to tile_rows[p] rows; above them its
+   * weight in the AMX GEMM's panels (amx[p], NULL where it has none) takes up to amx_rows[p]. */
+  int64_t tile_rows[NUM_PROJ], amx_rows[NUM_PROJ];
+  void **amx[NUM_PROJ];
 } DecodeStack;
 
 /* y [m, n] = x [m, k] W^T (+ b) for projection p of layer l. Returns the GEMV's status. */
@@ -94,7 +101,11 @@ static int project_bf16(const DecodeStack *s, int p, int64_t l, const uint16_t *
     return gemv_int8_bf16(x, s->weight[p][l], s->scales[p][l], s->bias[p][l], y, m, n, k);
   if (s->weight_kind == WEIGHTS_INT8_TILES)
     return int8_tiles_bf16(x, s->tiles[p][l], s->scales[p][l], s->bias[p][l], y, m, n, k, s->act_group_size);
-  if (s->weight_kind == WEIGHTS_BF16_TILES) return gemm_tiles_bf16(x, s->weight[p][l], s->bias[p][l], y, m, n, k);
+  if (s->weight_kind == WEIGHTS_BF16_TILES) {
+    if (m <= s->tile_rows[p]) return gemm_tiles_bf16(x, s->weight[p][l], s->bias[p][l], y, m, n, k);
+    if (!s->amx[p] || m > s->amx_rows[p]) return 20; /* the caller's row limit let a step past both */
+    return gemm_amx_bf16(x, s->amx[p][l], s->bias[p][l], y, m, n, k) ? 21 : 0;
+  }
   gemv_bf16(x, s->weight[p][l], s->bias[p][l], y, m, n, k);
   return 0;
 }
@@ -106,8 +117,9 @@ static int project_bf16(const DecodeStack *s, int p, int64_t l, const uint16_t *
 
 /* hidden [m, H]: the step's embeddings in, the final norm's output out; residual [m, H] scratch.
  * cos/sin [m, head_dim / 2]; slots [m]; block_table [m, *] (row stride block_table_stride), seq_lens
- * [m]. Returns 0; -1 where memory ran out, the decode kernel's status (1-4), or 10 + the int8
- * writer's (11: head_dim, 12: a slot past the cache). */
+ * [m]. Returns 0; -1 where memory ran out, the decode kernel's status (1-4), 10 + the int8
+ * writer's (11: head_dim, 12: a slot past the cache), 20 for rows past a projection's kernels, 21 where
+ * the AMX GEMM failed. */
 #define DEFINE_DECODE_LAYERS(SUFFIX, T, LOAD, STORE)                                                         \
   int decode_layers_##SUFFIX(const DecodeStack *s, T *hidden, T *residual, const T *cos, const T *sin,        \
                              const int64_t *slots, const int64_t *block_table, int64_t block_table_stride,    \

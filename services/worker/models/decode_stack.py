@@ -1,17 +1,19 @@
-"""A decode step's decoder layers in one compiled call (csrc/decode_layers.c), for steps of a few
-rows on the CPU.
+"""A decode step's decoder layers in one compiled call (csrc/decode_layers.c) on the CPU.
 
 At one row a SmolLM2-135M layer is about 0.3 ms of kernels, and the nine calls that make it from
 Python (norms, GEMVs, RoPE + cache write, attention), with their tensors and checks, add a visible
-share on top. `DecodeStack` hands the whole stack to C, which runs the same kernels in the same order,
-so a step's hidden states are those of the layer-by-layer path bit for bit.
+share on top. At 48 rows on AMX that share was still about a sixth of a step (the second thread
+idle while the first ran Python), so above the column tiles' rows the stack multiplies on the AMX
+GEMM too, up to each projection's measured limit. `DecodeStack` hands the whole stack to C, which
+runs the same kernels in the same order, so a step's hidden states are those of the layer-by-layer
+path bit for bit.
 
 `attach_decode_stack` gives one to a `LlamaModel` whose every layer qualifies: plain (unsharded)
-projections all on the bfloat16 GEMV or its column tiles (bfloat16 activations) or all on the int8
-GEMV, biases in the activations' dtype, the compiled fused ops and paged-decode attention (on a
-cache in the activations' dtype, or on the int8 cache with its compiled writer), SiLU.
-`LlamaModel.forward` then takes it for all-decode steps of up to the kernels' row limit (every
-layer's).
+projections all on the bfloat16 GEMV or its column tiles (bfloat16 activations; above the tiles the
+AMX GEMM where every layer's projection has it) or all on the int8 GEMV, biases in the activations'
+dtype, the compiled fused ops and paged-decode attention (on a cache in the activations' dtype, or
+on the int8 cache with its compiled writer), SiLU. `LlamaModel.forward` then takes it for all-decode
+steps of up to the kernels' row limit (every layer's).
 """
 from __future__ import annotations
 
@@ -46,7 +48,8 @@ class _Plan(ctypes.Structure):
                 ("weight_kind", _I32), ("input_norm", _PP), ("post_norm", _PP), ("weight", _PP * 4),
                 ("scales", _PP * 4), ("bias", _PP * 4), ("key_cache", _PP), ("value_cache", _PP),
                 ("final_norm", _P), ("tiles", _PP * 4), ("max_gemv_rows", _I64), ("kv_block_bytes", _I64),
-                ("num_blocks", _I64), ("act_group_size", _I64)]
+                ("num_blocks", _I64), ("act_group_size", _I64), ("tile_rows", _I64 * 4), ("amx_rows", _I64 * 4),
+                ("amx", _PP * 4)]
 
 
 class DecodeLayersKernel:
@@ -74,15 +77,18 @@ class DecodeStack:
 
     def __init__(self, model: LlamaModel, kernel: DecodeLayersKernel, dtype: torch.dtype, weight_kind: int,
                  projections: list[list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
-                                              torch.Tensor | None]]],
-                 max_num_rows: int, max_gemv_rows: int = 0, kv_int8: bool = False, act_group_size: int = 0):
+                                              torch.Tensor | None, torch.Tensor | None]]],
+                 max_num_rows: int, max_gemv_rows: int = 0, kv_int8: bool = False, act_group_size: int = 0,
+                 tile_rows: tuple[int, ...] = (0,) * 4, amx_rows: tuple[int, ...] = (0,) * 4):
         self.model, self.dtype, self.weight_kind = model, dtype, weight_kind
         self.kv_int8 = kv_int8  # the int8 cache (its writer and kernel), else one in the activations' dtype
         self.max_num_rows = max_num_rows
         self.max_gemv_rows = max_gemv_rows  # WEIGHTS_INT8_TILES: the int8 GEMV's rows, the tiles' above
         self.act_group_size = act_group_size  # WEIGHTS_INT8_TILES: W8A8's activation groups (0: per row)
+        # WEIGHTS_BF16_TILES, per projection: the column tiles' rows, and the AMX GEMM's above them (0: none)
+        self.tile_rows, self.amx_rows = tuple(tile_rows), tuple(amx_rows)
         self._function = kernel.function(dtype)
-        self._projections = projections  # per layer: (weight, scales, bias, tiles) of qkv, o, gate_up, down
+        self._projections = projections  # per layer: (weight, scales, bias, tiles, amx) of qkv, o, gate_up, down
         self._attns = [layer.self_attn.attn for layer in model.layers]  # read every step: no module lookups
         self._caches: list[torch.Tensor] = []
         self._plan: _Plan | None = None
@@ -110,7 +116,7 @@ class DecodeStack:
             "key_cache": _pointers([c[0] for c in caches]),
             "value_cache": _pointers([c[1] for c in caches]),
         }
-        per_proj = [[_pointers([p[i][part] for p in self._projections]) for i in range(4)] for part in range(4)]
+        per_proj = [[_pointers([p[i][part] for p in self._projections]) for i in range(4)] for part in range(5)]
         if self.kv_int8:  # [2, num_blocks, block_bytes]: a block's rows, then their scales and midpoints
             block_bytes = caches[0].shape[2]
             block_size = block_bytes // int8_block_bytes(1, attn.num_kv_heads, attn.head_dim)
@@ -123,10 +129,14 @@ class DecodeStack:
                      final_norm=self.model.norm.weight.data_ptr(), max_gemv_rows=self.max_gemv_rows,
                      kv_block_bytes=block_bytes, num_blocks=caches[0].shape[1],
                      act_group_size=self.act_group_size, **arrays)
-        for name, arrays_of_part in zip(("weight", "scales", "bias", "tiles"), per_proj):
+        for part, (name, arrays_of_part) in enumerate(zip(("weight", "scales", "bias", "tiles", "amx"), per_proj)):
             field = getattr(plan, name)
             for i, array in enumerate(arrays_of_part):
-                field[i] = ctypes.cast(array, _PP)
+                # A projection with no weight on the AMX GEMM gets NULL there: C then never calls it.
+                missing = name == "amx" and self._projections[0][i][part] is None
+                field[i] = None if missing else ctypes.cast(array, _PP)
+        for i in range(4):
+            plan.tile_rows[i], plan.amx_rows[i] = self.tile_rows[i], self.amx_rows[i]
         self._keep = [arrays, per_proj]
         return plan
 
@@ -162,6 +172,7 @@ def attach_decode_stack(model: LlamaModel, kernel: DecodeLayersKernel) -> str:
     if dtype not in _SUFFIXES:
         return f"activations in {dtype}"
     kinds, projections, max_rows, gemv_rows, group_sizes = set(), [], [], [], set()
+    tile_rows, amx_rows = set(), set()  # per layer, each projection's (the C stack keeps one per projection)
     kv_int8 = isinstance(model.layers[0].self_attn.attn.backend, Int8CacheCpuBackend)
     for layer in model.layers:
         attn = layer.self_attn.attn
@@ -170,7 +181,7 @@ def attach_decode_stack(model: LlamaModel, kernel: DecodeLayersKernel) -> str:
                 and isinstance(attn.backend.decode, decode) and isinstance(layer.mlp.act_fn, SiluAndMul)):
             return "not on the compiled fused ops, paged-decode attention and SiLU"
         row = []
-        for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        for proj in _projections_of(layer):
             entry = _gemv_operands(proj, dtype)
             if entry is None:
                 return f"{type(proj).__name__} not on a GEMV for {dtype}"
@@ -181,31 +192,51 @@ def attach_decode_stack(model: LlamaModel, kernel: DecodeLayersKernel) -> str:
                 group_sizes.add(proj.int8_weight.w8a8.group_size)
             row.append(entry[1:])
         projections.append(row)
+        if WEIGHTS_BF16_TILES in kinds:
+            tile_rows.add(tuple(_tile_rows(proj) for proj in _projections_of(layer)))
+            amx_rows.add(tuple(_amx_rows(proj) for proj in _projections_of(layer)))
     if len(kinds) != 1:
         return "bfloat16 and int8 GEMVs mixed"
     if len(set(gemv_rows)) > 1:
         return "int8 GEMV row limits differ between W8A8 weights"
     if len(group_sizes) > 1:
         return "W8A8 activation groups differ between weights"
-    # Every layer's matmuls must be on their GEMV at the stack's row counts.
+    if len(tile_rows) > 1 or len(amx_rows) > 1:
+        return "a projection's column-tile or AMX GEMM row limits differ between layers"
+    # Every layer's matmuls must be on their compiled kernels at the stack's row counts.
     model.decode_stack = DecodeStack(model, kernel, dtype, kinds.pop(), projections, min(max_rows),
                                      gemv_rows[0] if gemv_rows else 0, kv_int8=kv_int8,
-                                     act_group_size=group_sizes.pop() if group_sizes else 0)
+                                     act_group_size=group_sizes.pop() if group_sizes else 0,
+                                     tile_rows=tile_rows.pop() if tile_rows else (0,) * 4,
+                                     amx_rows=amx_rows.pop() if amx_rows else (0,) * 4)
     return ""
+
+
+def _projections_of(layer) -> tuple[LinearBase, ...]:
+    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+
+
+def _tile_rows(proj: LinearBase) -> int:
+    return proj.gemv_tiles.max_rows if proj.gemv_tiles is not None else 0
+
+
+def _amx_rows(proj: LinearBase) -> int:
+    return proj.amx_weight.max_rows if proj.amx_weight is not None else 0
 
 
 def _max_rows(proj: LinearBase, weight_kind: int) -> int:
     """The rows `proj` multiplies on its compiled kernel: the tiles' and the int8 GEMV's limit per weight."""
-    if weight_kind == WEIGHTS_BF16_TILES:
-        return proj.gemv_tiles.max_rows
+    if weight_kind == WEIGHTS_BF16_TILES:  # the AMX GEMM, where the weight has it, above the tiles
+        return max(_tile_rows(proj), _amx_rows(proj))
     if weight_kind == WEIGHTS_INT8_TILES:
         return max(proj.int8_weight.tiles.max_rows, proj.int8_weight.max_gemv_rows)
     return proj.int8_weight.max_gemv_rows if weight_kind == WEIGHTS_INT8 else MAX_GEMV_ROWS
 
 
 def _gemv_operands(proj: LinearBase, dtype: torch.dtype):
-    """(weight kind, weight, scales, bias, tiles) where `proj` multiplies a few rows on a GEMV (and,
-    for W8A8, on its int8 tiles above) exactly as the C stack calls it; None otherwise."""
+    """(weight kind, weight, scales, bias, tiles, amx) where `proj` multiplies a few rows on a GEMV
+    (and, for W8A8, on its int8 tiles above; for bfloat16 tiles, on the AMX GEMM above where it has
+    it) exactly as the C stack calls it; None otherwise."""
     if type(proj) not in _PLAIN_LINEARS:
         return None
     bias = proj.bias
@@ -218,10 +249,11 @@ def _gemv_operands(proj: LinearBase, dtype: torch.dtype):
         if int8.tiles is not None and dtype == torch.bfloat16:
             if int8.tiles.asymmetric and int8.max_gemv_rows:
                 return None  # the stack passes one scale per channel to both, and these differ
-            return WEIGHTS_INT8_TILES, int8.qweight, int8.tiles.scales, bias, int8.tiles.data
-        return WEIGHTS_INT8, int8.qweight, int8.scales, bias, None
+            return WEIGHTS_INT8_TILES, int8.qweight, int8.tiles.scales, bias, int8.tiles.data, None
+        return WEIGHTS_INT8, int8.qweight, int8.scales, bias, None, None
     if proj.gemv_tiles is not None and dtype == torch.bfloat16:
-        return WEIGHTS_BF16_TILES, proj.gemv_tiles.data, None, bias, None
+        amx = proj.amx_weight.data if proj.amx_weight is not None else None
+        return WEIGHTS_BF16_TILES, proj.gemv_tiles.data, None, bias, None, amx
     if proj.gemv is not None and dtype == torch.bfloat16 and proj.weight.dtype == torch.bfloat16:
-        return WEIGHTS_BF16, proj.weight, None, bias, None
+        return WEIGHTS_BF16, proj.weight, None, bias, None, None
     return None
