@@ -110,6 +110,12 @@ def make_servers(names: list[str], dtype: str, install: bool, bf16_max_concurren
                                         f"AMX-BF16); c<={bf16_max_concurrency} only")
             server.max_concurrency = bf16_max_concurrency
             servers.append(server)
+        elif name == "spindle-bf16-layered":  # the same with every decode step's layers called from Python
+            server = SpindleServer(name, env={"SPINDLE_DTYPE": "bfloat16", "SPINDLE_CPU_FUSED_DECODE": "false"},
+                                   note="bfloat16 as spindle-bf16 with --cpu-fused-decode false: decode steps "
+                                        f"layer by layer from Python; c<={bf16_max_concurrency} only")
+            server.max_concurrency = bf16_max_concurrency
+            servers.append(server)
         elif name == "spindle-int8":
             server = SpindleServer("spindle-int8", env={"SPINDLE_DTYPE": "bfloat16", "SPINDLE_QUANTIZATION": "int8"},
                                    note="weight-only int8 matmul weights (per-channel scales), bfloat16 activations "

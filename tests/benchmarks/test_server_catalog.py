@@ -33,3 +33,9 @@ def test_the_w8a8_rows_name_their_activation_groups_on_every_machine():
     assert grouped.env["SPINDLE_W8A8_GROUP_SIZE"] == "32" and "groups of 32" in grouped.note
     assert rows.env == {"SPINDLE_DTYPE": "bfloat16", "SPINDLE_QUANTIZATION": "w8a8", "SPINDLE_W8A8_GROUP_SIZE": "0"}
     assert "activations per row" in rows.note
+
+
+def test_the_layered_row_is_bf16_with_the_decode_stack_off():
+    layered, = make_servers(["spindle-bf16-layered"], "float32", install=False, bf16_max_concurrency=64)
+    assert layered.env == {"SPINDLE_DTYPE": "bfloat16", "SPINDLE_CPU_FUSED_DECODE": "false"}
+    assert layered.max_concurrency == 64
