@@ -84,7 +84,7 @@ typedef struct {
   int64_t kv_block_bytes, num_blocks;
   int64_t act_group_size; /* WEIGHTS_INT8_TILES: the tiles' activation groups (0: per row) */
   /* WEIGHTS_BF16_TILES: each projection's column tiles take up to tile_rows[p] rows; above them its
-   * weight in the AMX GEMM's panels (amx[p], NULL where it has none) takes up to amx_rows[p]. */
+   * weight in the AMX GEMM's panels (amx[p]) takes up to amx_rows[p] (0 where it has none). */
   int64_t tile_rows[NUM_PROJ], amx_rows[NUM_PROJ];
   void **amx[NUM_PROJ];
 } DecodeStack;
@@ -103,7 +103,7 @@ static int project_bf16(const DecodeStack *s, int p, int64_t l, const uint16_t *
     return int8_tiles_bf16(x, s->tiles[p][l], s->scales[p][l], s->bias[p][l], y, m, n, k, s->act_group_size);
   if (s->weight_kind == WEIGHTS_BF16_TILES) {
     if (m <= s->tile_rows[p]) return gemm_tiles_bf16(x, s->weight[p][l], s->bias[p][l], y, m, n, k);
-    if (!s->amx[p] || m > s->amx_rows[p]) return 20; /* the caller's row limit let a step past both */
+    if (m > s->amx_rows[p]) return 20; /* the caller's row limit let a step past both */
     return gemm_amx_bf16(x, s->amx[p][l], s->bias[p][l], y, m, n, k) ? 21 : 0;
   }
   gemv_bf16(x, s->weight[p][l], s->bias[p][l], y, m, n, k);

@@ -129,12 +129,10 @@ class DecodeStack:
                      final_norm=self.model.norm.weight.data_ptr(), max_gemv_rows=self.max_gemv_rows,
                      kv_block_bytes=block_bytes, num_blocks=caches[0].shape[1],
                      act_group_size=self.act_group_size, **arrays)
-        for part, (name, arrays_of_part) in enumerate(zip(("weight", "scales", "bias", "tiles", "amx"), per_proj)):
+        for name, arrays_of_part in zip(("weight", "scales", "bias", "tiles", "amx"), per_proj):
             field = getattr(plan, name)
             for i, array in enumerate(arrays_of_part):
-                # A projection with no weight on the AMX GEMM gets NULL there: C then never calls it.
-                missing = name == "amx" and self._projections[0][i][part] is None
-                field[i] = None if missing else ctypes.cast(array, _PP)
+                field[i] = ctypes.cast(array, _PP)
         for i in range(4):
             plan.tile_rows[i], plan.amx_rows[i] = self.tile_rows[i], self.amx_rows[i]
         self._keep = [arrays, per_proj]
@@ -180,8 +178,8 @@ def attach_decode_stack(model: LlamaModel, kernel: DecodeLayersKernel) -> str:
         if not (isinstance(attn.ops, CpuLayerOps) and isinstance(attn.backend, CpuAttentionBackend)
                 and isinstance(attn.backend.decode, decode) and isinstance(layer.mlp.act_fn, SiluAndMul)):
             return "not on the compiled fused ops, paged-decode attention and SiLU"
-        row = []
-        for proj in _projections_of(layer):
+        row, limits = [], []
+        for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             entry = _gemv_operands(proj, dtype)
             if entry is None:
                 return f"{type(proj).__name__} not on a GEMV for {dtype}"
@@ -191,10 +189,10 @@ def attach_decode_stack(model: LlamaModel, kernel: DecodeLayersKernel) -> str:
                 gemv_rows.append(proj.int8_weight.max_gemv_rows)
                 group_sizes.add(proj.int8_weight.w8a8.group_size)
             row.append(entry[1:])
+            limits.append((_tile_rows(proj), _amx_rows(proj)))
         projections.append(row)
-        if WEIGHTS_BF16_TILES in kinds:
-            tile_rows.add(tuple(_tile_rows(proj) for proj in _projections_of(layer)))
-            amx_rows.add(tuple(_amx_rows(proj) for proj in _projections_of(layer)))
+        tile_rows.add(tuple(t for t, _ in limits))
+        amx_rows.add(tuple(a for _, a in limits))
     if len(kinds) != 1:
         return "bfloat16 and int8 GEMVs mixed"
     if len(set(gemv_rows)) > 1:
@@ -207,13 +205,8 @@ def attach_decode_stack(model: LlamaModel, kernel: DecodeLayersKernel) -> str:
     model.decode_stack = DecodeStack(model, kernel, dtype, kinds.pop(), projections, min(max_rows),
                                      gemv_rows[0] if gemv_rows else 0, kv_int8=kv_int8,
                                      act_group_size=group_sizes.pop() if group_sizes else 0,
-                                     tile_rows=tile_rows.pop() if tile_rows else (0,) * 4,
-                                     amx_rows=amx_rows.pop() if amx_rows else (0,) * 4)
+                                     tile_rows=tile_rows.pop(), amx_rows=amx_rows.pop())
     return ""
-
-
-def _projections_of(layer) -> tuple[LinearBase, ...]:
-    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
 
 
 def _tile_rows(proj: LinearBase) -> int:
