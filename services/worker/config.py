@@ -68,7 +68,8 @@ class WorkerConfig:
     # (layers/amx_gemm.py) up to each weight shape's measured limit, in place of oneDNN's GEMM.
     cpu_amx_gemm: bool = True
     # bfloat16 on a CPU with AMX-BF16: attention on the tile unit where head_dim is 64 (attention/amx_attention.py):
-    # prefills, and decodes on a bfloat16 cache in blocks of 16k tokens; else the AVX-512 / vector passes.
+    # prefills, and decodes on a bfloat16 or (with AMX-INT8) int8 cache in blocks of 16k tokens; else the AVX-512 /
+    # vector passes.
     cpu_amx_attention: bool = True
     # none; int8: weight-only int8 matmul weights with per-channel scales (CPU only; layers/int8_linear.py);
     # w8a8: the same weights, and matmuls quantize their activations to int8 too (layers/w8a8.py).
@@ -194,9 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
                   "Rapids; one more copy of the matmul weights); false leaves them to oneDNN")
     add_flag(parser, "--cpu-amx-attention", type=bool, default=True,
              help="bfloat16 on a CPU with AMX-BF16: attention on the AMX tile unit where head_dim is 64: prefills, "
-                  "and decodes on a bfloat16 cache with --block-size a multiple of 16 (decode attention 1.1x the "
-                  "AVX-512 kernel at 48 requests of 375 tokens on a 2-core Sapphire Rapids); false keeps the "
-                  "AVX-512 kernels")
+                  "and decodes on a bfloat16 cache, or an int8 one (AMX-INT8), with --block-size a multiple of 16 "
+                  "(decode attention 1.1x the AVX-512 kernels at 48 requests of 375 tokens on a 2-core Sapphire "
+                  "Rapids, both caches); false keeps the AVX-512 kernels")
     add_flag(parser, "--cpu-fused-decode", type=bool, default=True,
              help="decode steps of a few rows (all matmuls on the GEMVs above) run every decoder layer in one "
                   "compiled call instead of nine kernel calls a layer from Python (the same kernels and results)")

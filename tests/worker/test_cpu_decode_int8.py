@@ -14,6 +14,7 @@ import random
 import pytest
 import torch
 
+from services.worker.attention.amx_attention import use_amx_attention
 from services.worker.attention.cpu_decode_int8 import PagedDecodeInt8Kernel
 from services.worker.attention.int8_kv_cache import (
     int8_block_bytes,
@@ -22,6 +23,7 @@ from services.worker.attention.int8_kv_cache import (
     split_int8_cache,
 )
 from tests.oracles import dense_attention
+from services.worker.cpu_kernels import _cpu_flags
 from tests.worker.kernel_builds import MARCHES, library_for
 
 _kernels: dict[str, PagedDecodeInt8Kernel] = {}
@@ -147,6 +149,61 @@ def test_one_request_alone_matches(kernel):
     out = kernel(query, kv_cache[0], kv_cache[1], block_table, lens, 16 * 20 + 5, scale, 16, 1, 64)
     tol = _tolerance(kernel, 64)
     torch.testing.assert_close(out.reshape(expected.shape).double(), expected, atol=tol, rtol=tol)
+
+
+# --- the tile passes (csrc/paged_decode_int8_amx.h), where the CPU has AMX-INT8 ---------------------
+
+
+@pytest.fixture
+def tiles(kernel_cache):
+    """The native build with attention on the tiles (the library's switch), and a function that
+    sets the switch; skips where this CPU has no AMX-INT8."""
+    library = library_for("native", kernel_cache)
+    if "amx_int8" not in _cpu_flags() or not use_amx_attention(library, True):
+        pytest.skip("no AMX-INT8 here: the VNNI or float32 passes are the only ones")
+    yield _kernel("native", kernel_cache), lambda enable: use_amx_attention(library, enable)
+    use_amx_attention(library, True)
+
+
+@pytest.mark.parametrize("heads,kv_heads,bs", [(9, 3, 16), (16, 2, 32), (4, 4, 16)], ids=str)
+def test_the_tiles_are_within_1e_3_of_the_reference(tiles, heads, kv_heads, bs):
+    amx_kernel, use_tiles = tiles
+    """15-bit weights against the VNNI pass's bfloat16 ones: the VNNI pass misses this bound
+    (3.4e-3 on the first shape), so passing it says the tiles ran; partial tiles of 16, several
+    blocks, long contexts."""
+    seq_lens = [1, 15, bs + 1, 5 * bs + 3, 37, 300, 1000]
+    query, kv_cache, block_table, lens, scale, expected = _make_decode(heads, kv_heads, 64, bs, seq_lens,
+                                                                       torch.bfloat16, seed=heads + bs)
+    out = amx_kernel(query, kv_cache[0], kv_cache[1], block_table, lens, max(seq_lens), scale, bs, kv_heads, 64)
+    torch.testing.assert_close(out.reshape(expected.shape).double(), expected, atol=1e-3, rtol=1e-3)
+    use_tiles(False)
+    vector = amx_kernel(query, kv_cache[0], kv_cache[1], block_table, lens, max(seq_lens), scale, bs, kv_heads, 64)
+    assert not torch.equal(out, vector)
+
+
+def test_the_tiles_leave_small_steps_to_the_vector_passes(tiles):
+    amx_kernel, use_tiles = tiles
+    """Under 4 requests the tiles' set-up is not paid back: the same output with the switch off."""
+    query, kv_cache, block_table, lens, scale, _ = _make_decode(9, 3, 64, 16, [40, 300, 7], torch.bfloat16, seed=5)
+    args = (query, kv_cache[0], kv_cache[1], block_table, lens, 300, scale, 16, 3, 64)
+    tiles = amx_kernel(*args)
+    use_tiles(False)
+    assert torch.equal(tiles, amx_kernel(*args))
+
+
+def test_a_nan_query_gives_nan_on_the_tiles_and_leaves_the_others(tiles):
+    amx_kernel, _ = tiles
+    """An item whose weights are not finite runs the VNNI passes: NaN for the query head that has
+    it, as the float32 passes give; the other requests' outputs are the tiles' as without it."""
+    query, kv_cache, block_table, lens, scale, _ = _make_decode(9, 3, 64, 16, [40, 300, 70, 90, 5], torch.bfloat16,
+                                                                seed=6)
+    args = (kv_cache[0], kv_cache[1], block_table, lens, 300, scale, 16, 3, 64)
+    clean = amx_kernel(query, *args)
+    query[1, 4, 7] = float("nan")  # request 1, KV head 1 (query heads 3-5)
+    out = amx_kernel(query, *args).view(5, 9, 64)
+    nan_heads = torch.isnan(out).any(-1)
+    assert torch.isnan(out[1, 4]).all() and nan_heads.sum() == 1
+    assert torch.equal(out[[0, 2, 3, 4]], clean.view(5, 9, 64)[[0, 2, 3, 4]])
 
 
 def test_supports(kernel):

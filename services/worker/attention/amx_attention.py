@@ -1,7 +1,7 @@
 """The compiled library's switch for attention on the AMX tile unit: decode attention on a
-bfloat16 cache (csrc/paged_decode_amx.c) and prefill attention (csrc/paged_prefill_amx.h), where
-the CPU has AMX-BF16 and the shape allows (head_dim 64; decode: blocks of a multiple of 16
-tokens). Elsewhere the AVX-512 / vector passes run. The switch is the library's, so it holds for
+bfloat16 cache (csrc/paged_decode_amx.c), on an int8 cache where the CPU also has AMX-INT8
+(csrc/paged_decode_int8_amx.h), and prefill attention (csrc/paged_prefill_amx.h), where the CPU
+has AMX-BF16 and the shape allows (head_dim 64; decode: blocks of a multiple of 16 tokens). Elsewhere the AVX-512 / vector passes run. The switch is the library's, so it holds for
 every caller in the process (the fused decode layers too); on by default.
 """
 from __future__ import annotations

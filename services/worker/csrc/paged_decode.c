@@ -33,11 +33,16 @@ int paged_decode_bf16_amx(const float *query, const uint16_t *key_cache, const u
                           int64_t num_reqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
                           float scale, int64_t max_seq_len, float *scratch, int64_t per_thread, int num_threads);
 
+/* paged_decode_int8.c: the int8 cache's passes on the AMX tile unit */
+int64_t paged_decode_int8_amx_floats(int64_t max_seq_len, int group);
+
 /* Floats of scratch one thread needs, for the wrapper to allocate (both decode kernels). */
 int64_t scratch_floats_per_thread(int64_t max_seq_len, int group, int head_dim) {
   const int64_t vector = decode_scratch_floats(max_seq_len, group, head_dim);
   const int64_t tiles = paged_decode_amx_floats(max_seq_len, group);
-  return tiles > vector ? tiles : vector;
+  const int64_t int8_tiles = paged_decode_int8_amx_floats(max_seq_len, group);
+  const int64_t most = tiles > vector ? tiles : vector;
+  return int8_tiles > most ? int8_tiles : most;
 }
 
 /* Rows are prefetched into L2 this many chunks ahead. One chunk ahead into L1 left the loop

@@ -19,7 +19,7 @@
  * the exact float32 softmax and the status codes are paged_decode.c's, plus 4 for a block_bytes
  * that does not match the shapes.
  *
- * Two sets of passes:
+ * Three sets of passes:
  *  - generic (any CPU): float32 query and weights against the int8 keys and values widened to
  *    float32;
  *  - where the CPU has AVX512_BF16 and AVX512_VBMI (Zen 4, Sapphire Rapids) and head_dim is a
@@ -27,7 +27,10 @@
  *    query head quantized in steps of 2^-14 of its largest |value|, summed exactly in int32 on
  *    VPDPBUSD (decode_int8_keys.h); the values turned into bfloat16 by the byte table of
  *    int8_bf16.h (exact for |q| <= 127) and multiplied on VDPBF16PS against the weights p_t *
- *    v_scale_t rounded to bfloat16, as the bfloat16 kernel rounds them.
+ *    v_scale_t rounded to bfloat16, as the bfloat16 kernel rounds them;
+ *  - where the CPU also has AMX-INT8 (the library's attention switch on), head_dim is 64, blocks
+ *    hold a multiple of 16 tokens and a step has at least 4 requests: both passes on the tile unit
+ *    (paged_decode_int8_amx.h), the same scores, the values against 15-bit weights.
  */
 #include <stdint.h>
 #include <string.h>
@@ -287,6 +290,9 @@ static inline __attribute__((always_inline)) void decode_group(const float *q, c
       store_f32(out + g * head_dim + 8 * l, (load_f32(acc + g * head_dim + 8 * l) + mid_sums[g]) * inv_sum[g]);
 }
 
+/* The same items on the AMX tile unit (needs HeadKeys, HeadRows and the passes above). */
+#include "paged_decode_int8_amx.h"
+
 /* key_cache and value_cache are the two halves of the layer's tensor, block_bytes per block.
  * Returns 0, or 1 (query heads not a multiple of KV heads), 2 (head_dim not a multiple of 8 up to
  * MAX_HEAD_DIM), 3 (more than MAX_GROUP query heads per KV head), 4 (block_bytes is not
@@ -303,30 +309,55 @@ int paged_decode_int8(const float *query, const int8_t *key_cache, const int8_t 
   const int64_t meta_bytes = (int64_t)block_size * num_kv_heads * 4; /* scales, then midpoints */
   if (block_size <= 0 || block_bytes != data_bytes + 2 * meta_bytes)
     return PAGED_DECODE_INT8_BAD_BLOCK_BYTES;
-  const int64_t per_thread = decode_scratch_floats(max_seq_len, group, head_dim);
+  int64_t per_thread = decode_scratch_floats(max_seq_len, group, head_dim);
   const int64_t num_items = num_reqs * num_kv_heads;
   if (num_threads > num_items) num_threads = num_items > 1 ? (int)num_items : 1;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)
-  for (int64_t item = 0; item < num_items; item++) {
-    const int64_t req = item / num_kv_heads;
-    const int kv_head = (int)(item % num_kv_heads);
+#if HAS_INT8_AMX
+  const int use_tiles = int8_amx_supports(num_reqs, head_dim, group, block_size, max_seq_len);
+  if (use_tiles && int8_amx_item_floats(max_seq_len, group) > per_thread)
+    per_thread = int8_amx_item_floats(max_seq_len, group);
+#else
+  const int use_tiles = 0;
+#endif
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+  {
     float *s = scratch + (int64_t)THREAD_NUM() * per_thread;
-    const int64_t *blocks = block_table + req * block_table_stride;
-    const int64_t row_bytes = (int64_t)num_kv_heads * head_dim;
-    const int64_t meta = data_bytes + 4 * (int64_t)kv_head * block_size;
-    const HeadKeys keys = {key_cache + (int64_t)kv_head * head_dim * block_size, key_cache + meta,
-                           key_cache + meta + meta_bytes, block_bytes, block_size};
-    const HeadRows values = {value_cache + (int64_t)kv_head * head_dim, value_cache + meta,
-                             value_cache + meta + meta_bytes, block_bytes, row_bytes, 4, block_size};
-    const int64_t first = (req * num_heads + (int64_t)kv_head * group) * head_dim;
-    if (head_dim == 64)
-      decode_group(query + first, &keys, &values, blocks, seq_lens[req], scale, out + first, s, group, 8);
-    else if (head_dim == 128)
-      decode_group(query + first, &keys, &values, blocks, seq_lens[req], scale, out + first, s, group, 16);
-    else
-      decode_group(query + first, &keys, &values, blocks, seq_lens[req], scale, out + first, s, group, head_dim / 8);
+#if HAS_INT8_AMX
+    if (use_tiles) config_int8_tiles(group);
+#endif
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < num_items; item++) {
+      const int64_t req = item / num_kv_heads;
+      const int kv_head = (int)(item % num_kv_heads);
+      const int64_t *blocks = block_table + req * block_table_stride;
+      const int64_t row_bytes = (int64_t)num_kv_heads * head_dim;
+      const int64_t meta = data_bytes + 4 * (int64_t)kv_head * block_size;
+      const HeadKeys keys = {key_cache + (int64_t)kv_head * head_dim * block_size, key_cache + meta,
+                             key_cache + meta + meta_bytes, block_bytes, block_size};
+      const HeadRows values = {value_cache + (int64_t)kv_head * head_dim, value_cache + meta,
+                               value_cache + meta + meta_bytes, block_bytes, row_bytes, 4, block_size};
+      const int64_t first = (req * num_heads + (int64_t)kv_head * group) * head_dim;
+#if HAS_INT8_AMX
+      if (use_tiles && seq_lens[req] > 0 &&
+          attend_int8_amx(query + first, &keys, &values, blocks, seq_lens[req], scale, out + first, s, group))
+        continue;
+#endif
+      if (head_dim == 64)
+        decode_group(query + first, &keys, &values, blocks, seq_lens[req], scale, out + first, s, group, 8);
+      else if (head_dim == 128)
+        decode_group(query + first, &keys, &values, blocks, seq_lens[req], scale, out + first, s, group, 16);
+      else
+        decode_group(query + first, &keys, &values, blocks, seq_lens[req], scale, out + first, s, group, head_dim / 8);
+    }
+#if HAS_INT8_AMX
+    if (use_tiles) _tile_release();
+#endif
   }
   return 0;
+}
+
+int64_t paged_decode_int8_amx_floats(int64_t max_seq_len, int group) {
+  return int8_amx_item_floats(max_seq_len, group);
 }
 
 /* 1 where head sizes that are a multiple of 64 multiply on VDPBF16PS (query and weights rounded to
