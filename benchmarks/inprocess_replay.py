@@ -1,7 +1,7 @@
 """The harness's chat workload through the engine in one process: the real Scheduler and Worker,
 no gRPC, no HTTP, no frontend; a closed loop of `--concurrency` requests.
 
-    .venv/bin/python -m benchmarks.inprocess_replay [--concurrency 32] [--num-requests 32]
+    .venv/bin/python -m benchmarks.inprocess_replay [--concurrency 32] [--num-requests 32] [--first-request 0]
         [--dtype bfloat16] [--quantization none|int8] [--kv-cache-dtype auto|int8]
         [--cpu-gemm-tiles true|false] [--cpu-fused-decode true|false] [--out F]
 
@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quantization", default="none")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--first-request", type=int, default=0,
+                        help="the workload's index of the first request: the harness gives each scenario and repeat "
+                             "its own slice (c=64's three repeats after c=1 and c=32's: 108, 172, 236)")
     parser.add_argument("--cpu-gemm-tiles", default="true", choices=["true", "false"],
                         help="the worker's --cpu-gemm-tiles (bfloat16 tiles; W8A8's int8 tiles)")
     parser.add_argument("--cpu-fused-decode", default="true", choices=["true", "false"],
@@ -85,14 +88,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "inprocess_replay.json"))
     args = parser.parse_args(argv)
     tokenizer = load_default_tokenizer()
-    requests = build_workload(WorkloadSpec(num_requests=args.num_requests, seed=args.seed), tokenizer)
+    requests = build_workload(WorkloadSpec(num_requests=args.first_request + args.num_requests, seed=args.seed),
+                              tokenizer)[args.first_request:]
     prompts = [(prompt_ids(tokenizer, r.messages), r.max_tokens) for r in requests]
     worker = Worker(WorkerConfig(dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                                  kv_cache_bytes=2 * 2**30, cpu_gemm_tiles=args.cpu_gemm_tiles == "true",
                                  cpu_fused_decode=args.cpu_fused_decode == "true"))
     worker.load_model()
     worker.initialize_kv_cache(0)
-    summary = replay(worker, prompts, args.concurrency) | {"dtype": args.dtype, "quantization": args.quantization,
+    summary = replay(worker, prompts, args.concurrency) | {"first_request": args.first_request,
+                                                           "dtype": args.dtype, "quantization": args.quantization,
                                                            "cpu_gemm_tiles": args.cpu_gemm_tiles == "true",
                                                            "cpu_fused_decode": args.cpu_fused_decode == "true"}
     print(f"c={summary['concurrency']}, {summary['num_requests']} requests, {args.dtype} {args.quantization}: "
