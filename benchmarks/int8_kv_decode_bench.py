@@ -3,7 +3,7 @@
 
     flock /tmp/spindle-cpu.lock .venv/bin/python -m benchmarks.int8_kv_decode_bench
         [--shapes 32x400,32x1000,64x400,64x1000] [--heads 9,3,64] [--block-size 16]
-        [--march native|x86-64-v3] [--only bf16|int8] [--from-cache]
+        [--march native|x86-64-v3] [--only bf16|int8] [--from-cache] [--amx-attention true|false]
         [--out benchmarks/results/int8_kv_decode_bench.json]
 
 SmolLM2-135M's attention shape by default (9 query heads sharing 3 KV heads of 64, blocks of 16),
@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from services.worker.attention.amx_attention import use_amx_attention
 from services.worker.attention.cpu_decode import PagedDecodeKernel
 from services.worker.attention.cpu_decode_int8 import PagedDecodeInt8Kernel
 from services.worker.attention.int8_kv_cache import int8_block_bytes, quantize_kv_rows, split_int8_cache
@@ -112,16 +113,20 @@ def main() -> None:
     parser.add_argument("--from-cache", action="store_true",
                         help="cycle over two layers' caches only, so they come from the last-level cache where they "
                              "fit: the kernels' arithmetic without the memory's share")
+    parser.add_argument("--amx-attention", default="true", choices=("true", "false"),
+                        help="the library's --cpu-amx-attention switch: both kernels on the AMX tile unit where the CPU "
+                             "has it (AMX-INT8 for the int8 cache), or false for the VNNI / AVX-512 passes")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "int8_kv_decode_bench.json"))
     args = parser.parse_args()
     os.environ["SPINDLE_CPU_KERNEL_MARCH"] = args.march
     library = load_cpu_kernels()
     if library is None:
         raise SystemExit("the CPU kernels could not be built or loaded (see the log)")
+    on_tiles = use_amx_attention(library, args.amx_attention == "true")
     int8_kernel, bf16_kernel = PagedDecodeInt8Kernel(library), PagedDecodeKernel(library)
     num_heads, num_kv_heads, head_dim = (int(x) for x in args.heads.split(","))
-    print(f"march {args.march}, {torch.get_num_threads()} threads, int8 on VDPBF16PS: {int8_kernel.has_bf16_dot}",
-          flush=True)
+    print(f"march {args.march}, {torch.get_num_threads()} threads, int8 on VDPBF16PS: {int8_kernel.has_bf16_dot}, "
+          f"attention on AMX tiles: {on_tiles}", flush=True)
     rows = []
     for shape in args.shapes.split(","):
         num_reqs, context_len = (int(x) for x in shape.split("x"))
@@ -138,7 +143,7 @@ def main() -> None:
               f"int8 {row['int8_speedup']:.2f}x; max diff {row['max_diff_int8_vs_bf16']:.1e}", flush=True)
     out = Path(args.out)
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"march": args.march, "from_cache": args.from_cache,
+    out.write_text(json.dumps({"march": args.march, "from_cache": args.from_cache, "amx_attention": on_tiles,
                                "heads": [num_heads, num_kv_heads, head_dim], "block_size": args.block_size,
                                "torch_threads": torch.get_num_threads(), "int8_bf16_dot": int8_kernel.has_bf16_dot,
                                "rows": rows}, indent=2))
