@@ -60,7 +60,8 @@ int attention_amx_enabled(void); /* paged_decode_amx.c: --cpu-amx-attention, and
 #define INT8_AMX_PREFETCH_TILES 4
 
 /* tmm0-1 A (the query's high and low parts; the weights), tmm2 B (16 tokens' keys or value rows),
- * tmm3-6 C (the two key sums; the value sums of two byte positions x two parts). */
+ * tmm3-6 C (two tiles' key sums; the value sums of two byte positions x two parts), tmm7 B (the
+ * second tile's keys). */
 static void config_int8_tiles(int group) {
   struct tile_config cfg;
   tile_config_init(&cfg);
@@ -73,7 +74,8 @@ static void config_int8_tiles(int group) {
 }
 
 /* Floats of scratch one item needs: the scores (then the weights) head-major, the high and low
- * weight slots with one zero slot before each head's, the C tiles stored. */
+ * weight slots with one zero slot before each head's (the key pass's stored sums use their space
+ * first), the value pass's C tiles stored. */
 static inline int64_t int8_amx_item_floats(int64_t max_seq_len, int group) {
   const int64_t padded = (max_seq_len + INT8_AMX_TOKENS - 1) / INT8_AMX_TOKENS * INT8_AMX_TOKENS;
   return group * padded + 2 * group * (padded + INT8_AMX_TOKENS) + 4 * group * 16;
