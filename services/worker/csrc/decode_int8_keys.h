@@ -161,6 +161,29 @@ static inline void quantize_query_int15(const float *q, int head_dim, int32_t *h
   *step = finite ? amax / 16256.f : amax;
 }
 
+/* 16 tokens' scores from their exact int32 dot products with the quantized query (decode_int8_keys.h's
+ * formula: scale is folded into step and q_sum), stored where valid and kept in the running max. */
+static inline __attribute__((always_inline)) void store_scores16(__m512i dot_int, __m512 row_scales, __m512 row_mids,
+                                                                 float q_sum, float step, __mmask16 valid,
+                                                                 float *dst, __m512 *max16) {
+  const __m512 dot = _mm512_cvtepi32_ps(dot_int);
+  const __m512 s = _mm512_fmadd_ps(row_mids, _mm512_set1_ps(q_sum),
+                                   _mm512_mul_ps(_mm512_mul_ps(dot, _mm512_set1_ps(step)), row_scales));
+  _mm512_mask_storeu_ps(dst, valid, s);
+  *max16 = _mm512_mask_max_ps(*max16, valid, *max16, s);
+}
+
+/* Each head's largest score from its 16 running maxima (a NaN wins, as in the float32 passes). */
+static inline void reduce_max_scores(const __m512 *max16, int group, float *max_score) {
+  for (int g = 0; g < group; g++) {
+    float lanes[16];
+    _mm512_storeu_ps(lanes, max16[g]);
+    max_score[g] = lanes[0];
+    for (int l = 1; l < 16; l++)
+      max_score[g] = lanes[l] > max_score[g] || lanes[l] != lanes[l] ? lanes[l] : max_score[g];
+  }
+}
+
 /* Independent sums per part of a head: one chain of 16 dependent VPDPBUSD (head_dim 64) waited on
  * their latency, not their throughput. */
 #define KEY_SUMS 4
@@ -213,21 +236,12 @@ static inline __attribute__((always_inline)) void key_scores_int8_impl(const flo
           hi[0] = _mm512_add_epi32(hi[0], hi[a]), lo[0] = _mm512_add_epi32(lo[0], lo[a]);
         const __m512i dot_int = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(hi[0], 7), lo[0]),
                                                  _mm512_set1_epi32(offset[g]));
-        const __m512 dot = _mm512_cvtepi32_ps(dot_int);
-        const __m512 s = _mm512_fmadd_ps(row_mids, _mm512_set1_ps(q_sums[g]),
-                                         _mm512_mul_ps(_mm512_mul_ps(dot, _mm512_set1_ps(step[g])), row_scales));
-        _mm512_mask_storeu_ps(scores + g * padded + t0 + o0, valid, s);
-        max16[g] = _mm512_mask_max_ps(max16[g], valid, max16[g], s);
+        store_scores16(dot_int, row_scales, row_mids, q_sums[g], step[g], valid, scores + g * padded + t0 + o0,
+                       &max16[g]);
       }
     }
   }
-  for (int g = 0; g < group; g++) {
-    float lanes[16];
-    _mm512_storeu_ps(lanes, max16[g]);
-    max_score[g] = lanes[0];
-    for (int l = 1; l < 16; l++)
-      max_score[g] = lanes[l] > max_score[g] || lanes[l] != lanes[l] ? lanes[l] : max_score[g];
-  }
+  reduce_max_scores(max16, group, max_score);
 }
 #define HAS_INT8_KEY_DOT 1
 #else

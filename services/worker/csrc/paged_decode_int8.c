@@ -312,19 +312,13 @@ int paged_decode_int8(const float *query, const int8_t *key_cache, const int8_t 
   int64_t per_thread = decode_scratch_floats(max_seq_len, group, head_dim);
   const int64_t num_items = num_reqs * num_kv_heads;
   if (num_threads > num_items) num_threads = num_items > 1 ? (int)num_items : 1;
-#if HAS_INT8_AMX
   const int use_tiles = int8_amx_supports(num_reqs, head_dim, group, block_size, max_seq_len);
   if (use_tiles && int8_amx_item_floats(max_seq_len, group) > per_thread)
     per_thread = int8_amx_item_floats(max_seq_len, group);
-#else
-  const int use_tiles = 0;
-#endif
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
   {
     float *s = scratch + (int64_t)THREAD_NUM() * per_thread;
-#if HAS_INT8_AMX
     if (use_tiles) config_int8_tiles(group);
-#endif
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < num_items; item++) {
       const int64_t req = item / num_kv_heads;
@@ -337,11 +331,9 @@ int paged_decode_int8(const float *query, const int8_t *key_cache, const int8_t 
       const HeadRows values = {value_cache + (int64_t)kv_head * head_dim, value_cache + meta,
                                value_cache + meta + meta_bytes, block_bytes, row_bytes, 4, block_size};
       const int64_t first = (req * num_heads + (int64_t)kv_head * group) * head_dim;
-#if HAS_INT8_AMX
       if (use_tiles && seq_lens[req] > 0 &&
           attend_int8_amx(query + first, &keys, &values, blocks, seq_lens[req], scale, out + first, s, group))
         continue;
-#endif
       if (head_dim == 64)
         decode_group(query + first, &keys, &values, blocks, seq_lens[req], scale, out + first, s, group, 8);
       else if (head_dim == 128)
@@ -349,9 +341,7 @@ int paged_decode_int8(const float *query, const int8_t *key_cache, const int8_t 
       else
         decode_group(query + first, &keys, &values, blocks, seq_lens[req], scale, out + first, s, group, head_dim / 8);
     }
-#if HAS_INT8_AMX
-    if (use_tiles) _tile_release();
-#endif
+    if (use_tiles) release_int8_tiles();
   }
   return 0;
 }

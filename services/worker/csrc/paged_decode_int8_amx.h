@@ -138,20 +138,11 @@ static inline void int8_amx_key_scores(const float *q, const HeadKeys *keys, con
     const __m512 row_mids = _mm512_loadu_ps((const float *)(keys->mids + base + 4 * o0));
     for (int g = 0; g < group; g++) {
       const __m512i hi = _mm512_loadu_si512(c + 16 * g), lo = _mm512_loadu_si512(c + 16 * (group + g));
-      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(hi, 7), lo));
-      const __m512 s = _mm512_fmadd_ps(row_mids, _mm512_set1_ps(q_sums[g]),
-                                       _mm512_mul_ps(_mm512_mul_ps(dot, _mm512_set1_ps(step[g])), row_scales));
-      _mm512_mask_storeu_ps(scores + g * padded + t0, valid, s);
-      max16[g] = _mm512_mask_max_ps(max16[g], valid, max16[g], s);
+      store_scores16(_mm512_add_epi32(_mm512_slli_epi32(hi, 7), lo), row_scales, row_mids, q_sums[g], step[g], valid,
+                     scores + g * padded + t0, &max16[g]);
     }
   }
-  for (int g = 0; g < group; g++) {
-    float lanes[16];
-    _mm512_storeu_ps(lanes, max16[g]);
-    max_score[g] = lanes[0];
-    for (int l = 1; l < 16; l++)
-      max_score[g] = lanes[l] > max_score[g] || lanes[l] != lanes[l] ? lanes[l] : max_score[g];
-  }
+  reduce_max_scores(max16, group, max_score);
 }
 
 /* The rows of one KV head for tokens t0 .. t0 + 15 (one block holds them all). */
@@ -258,11 +249,22 @@ static int attend_int8_amx(const float *q, const HeadKeys *keys, const HeadRows 
   return 1;
 }
 
-#define HAS_INT8_AMX 1
+static inline void release_int8_tiles(void) { _tile_release(); }
 #else
-#define HAS_INT8_AMX 0
+/* Builds without AMX-INT8: the tiles are never chosen, so the caller needs no conditional code. */
 static inline int64_t int8_amx_item_floats(int64_t max_seq_len, int group) {
   (void)max_seq_len, (void)group;
+  return 0;
+}
+static inline int int8_amx_supports(int64_t num_reqs, int head_dim, int group, int block_size, int64_t max_seq_len) {
+  (void)num_reqs, (void)head_dim, (void)group, (void)block_size, (void)max_seq_len;
+  return 0;
+}
+static inline void config_int8_tiles(int group) { (void)group; }
+static inline void release_int8_tiles(void) {}
+static inline int attend_int8_amx(const float *q, const HeadKeys *keys, const HeadRows *values, const int64_t *blocks,
+                                  int64_t seq_len, float scale, float *out, float *scratch, int group) {
+  (void)q, (void)keys, (void)values, (void)blocks, (void)seq_len, (void)scale, (void)out, (void)scratch, (void)group;
   return 0;
 }
 #endif
