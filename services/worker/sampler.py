@@ -46,11 +46,19 @@ class Sampler(abc.ABC):
 
 
 class TorchSampler(Sampler):
-    def __init__(self, token_bitmask: Callable[[torch.Tensor, torch.Tensor, list[int]], None] | None = None):
-        """`token_bitmask`: a compiled `apply_token_bitmask` (cpu_bitmask.py); None: xgrammar's CPU function."""
+    def __init__(self, token_bitmask: Callable[[torch.Tensor, torch.Tensor, list[int]], None] | None = None,
+                 greedy_argmax: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        """`token_bitmask`: a compiled `apply_token_bitmask` (cpu_bitmask.py); None: xgrammar's CPU function.
+        `greedy_argmax`: a compiled argmax over bfloat16 logits rows (cpu_argmax.py) for steps where every
+        row is greedy and nothing else reads the logits; None: the float32 path below for every step."""
         self._token_bitmask = token_bitmask or apply_token_bitmask_cpu
+        self._greedy_argmax = greedy_argmax
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        if (self._greedy_argmax is not None and logits.dtype == torch.bfloat16 and logits.is_contiguous()
+                and _argmax_only(metadata)):
+            # The float32 widening is exact, so its argmax is this one; skipping it saves the copy.
+            return SamplerOutput(self._greedy_argmax(logits).tolist(), [None] * logits.shape[0])
         logits = logits.float()
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
@@ -130,6 +138,12 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     is_cut = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
     sorted_logits = sorted_logits.masked_fill(is_cut, float("-inf"))
     return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+
+
+def _argmax_only(metadata: SamplingMetadata) -> bool:
+    """Every row greedy, and no logprobs or logits processor reads or changes the logits."""
+    return (metadata.all_greedy and metadata.max_num_logprobs is None and metadata.logit_bias is None
+            and metadata.banned is None and metadata.penalties is None)
 
 
 def gather_logprobs(

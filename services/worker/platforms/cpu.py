@@ -33,6 +33,7 @@ from services.worker.attention.int8_kv_cache import Int8KVDequantizer, Int8KVWri
 from services.worker.attention.torch_backend import TorchAttentionBackend
 from services.worker.config import (INT8_WEIGHT_QUANTIZATIONS, RunnerConfig, WorkerConfig, cpu_has_amx_bf16,
                                      cpu_has_amx_int8, cpu_has_int8_dot, cpu_has_native_bf16)
+from services.worker.cpu_argmax import CpuGreedyArgmax
 from services.worker.cpu_bitmask import CpuTokenBitmask
 from services.worker.cpu_kernels import load_cpu_kernels
 from services.worker.kv_cache import KVCacheLayout
@@ -114,7 +115,8 @@ class CpuPlatform(Platform):
             kernels = load_cpu_kernels(Path(config.cache_dir) if config.cache_dir else None)
         backend, layer_ops = _backend_and_ops(kernels, dtype, heads, config.kv_cache_dtype,
                                               config.cpu_amx_attention)
-        sampler = TorchSampler(CpuTokenBitmask(kernels)) if kernels is not None else TorchSampler()
+        sampler = TorchSampler(CpuTokenBitmask(kernels), CpuGreedyArgmax(kernels)) if kernels is not None \
+            else TorchSampler()
         gemv_on = kernels is not None and config.cpu_gemv
         amx_gemm = None
         if kernels is not None and config.cpu_amx_gemm and dtype == torch.bfloat16 and cpu_has_amx_bf16():
