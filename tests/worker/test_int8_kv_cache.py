@@ -107,6 +107,45 @@ def test_writer_puts_the_quantizers_bits_at_each_slot_of_the_layout(library, dty
         assert cache[half, block, mid_byte:mid_byte + 4].view(torch.float32).item() == m[0, h].item()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [16, 20, 48, 64, 128])
+def test_writer_matches_the_reference_bit_for_bit_on_awkward_rows(library, dtype, head_dim):
+    """Rows of 16-multiples run 16 lanes where the CPU has AVX-512, others the scalar loop; both
+    must give the reference's bits, signed zeros of the scales and midpoints included."""
+    num_kv_heads, block_size, num_blocks = 2, 16, 4
+    gen = torch.Generator().manual_seed(head_dim)
+    rows = torch.randn(12, num_kv_heads, head_dim, generator=gen) * 5
+    rows[0, 0] = 0.0  # all +0
+    rows[0, 1] = -0.0  # all -0
+    rows[1, 0, ::2], rows[1, 0, 1::2] = -0.0, 0.0  # zeros of both signs
+    rows[1, 1] = rows[1, 1].abs()
+    rows[1, 1, 3] = 0.0  # the minimum an exact zero
+    rows[2, 0] = -rows[2, 0].abs()
+    rows[2, 0, 5] = -0.0  # the maximum a negative zero
+    rows[2, 1] = 7.25  # constant
+    rows[3, 0, 1], rows[3, 0, 2], rows[3, 0, 3] = float("nan"), float("inf"), -float("inf")
+    rows[3, 1, :] = float("nan")
+    rows[4, 0, -1] = 3e38  # near the float32 limit
+    rows[4, 1, 0], rows[4, 1, 1] = -3e38, 3e38
+    half = head_dim // 2
+    rows[5, 0, ::2], rows[5, 0, 1::2] = 0.0, -0.0
+    rows[5, 1, :half], rows[5, 1, half:] = 0.0, -0.0
+    rows[6, 0, :half], rows[6, 0, half:] = -0.0, 0.0
+    rows[6, 1, :-1], rows[6, 1, -1] = 0.0, -0.0
+    rows[7, 0, :1], rows[7, 0, 1:] = -0.0, 0.0
+    x = rows.to(dtype)
+    slots = torch.arange(x.shape[0]) + block_size
+    cache = _empty_cache(num_blocks, block_size, num_kv_heads, head_dim)
+    Int8KVWriter(library)(x, x, cache, slots, block_size)
+    q, scale, mid = quantize_kv_rows(x)
+    for half in (0, 1):
+        data, scales, mids = split_int8_cache(cache[half], half, block_size, num_kv_heads, head_dim)
+        blocks, offsets = slots // block_size, slots % block_size
+        assert torch.equal(data[blocks, offsets].flatten(-2), q)
+        assert torch.equal(scales[blocks, offsets].contiguous().view(torch.int32), scale.view(torch.int32))
+        assert torch.equal(mids[blocks, offsets].contiguous().view(torch.int32), mid.view(torch.int32))
+
+
 def test_writer_refuses_a_slot_past_the_cache_before_writing_anything(library):
     cache = _empty_cache(4, 16, 3, 64)
     k = torch.randn(2, 3, 64)

@@ -51,8 +51,8 @@ static inline float int8_quant_finite(float x) {
  * x = mid + q * scale, to within scale / 2. The PyTorch reference (`quantize_kv_rows`) takes the
  * same steps. */
 #define DEFINE_QUANTIZE_CENTERED(SUFFIX, T, LOAD)                                                           \
-  static inline void quantize_row_centered_##SUFFIX(const T *x, int64_t k, int8_t *q, float *scale,         \
-                                                    float *mid) {                                           \
+  static inline void quantize_row_centered_scalar_##SUFFIX(const T *x, int64_t k, int8_t *q, float *scale,  \
+                                                           float *mid) {                                    \
     float lo = FLT_MAX, hi = -FLT_MAX;                                                                      \
     for (int64_t i = 0; i < k; i++) {                                                                       \
       const float v = int8_quant_finite(LOAD(x[i]));                                                        \
@@ -71,8 +71,82 @@ static inline float int8_quant_finite(float x) {
     *mid = center;                                                                                          \
   }
 
+
 DEFINE_QUANTIZE_CENTERED(f32, float, INT8_QUANT_LOAD_F32)
 DEFINE_QUANTIZE_CENTERED(bf16, uint16_t, INT8_QUANT_LOAD_BF16)
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+/* The same rule on 16 lanes, for rows of a multiple of 16 up to 256 values: the KV writer's rows
+ * (a 2,048-token prefill writes 12,288 rows a layer for SmolLM2-135M, which the scalar loops
+ * took 0.7 ms for on two threads). Every operation is the scalar one's in float32: min and max
+ * are exact in any order, then (x - mid) * inv, nearest-even rounding and the clamp per lane, so
+ * the rows agree bit for bit (a zero minimum or maximum, whose sign the scalar loop takes from the
+ * first zero it meets, goes to the scalar loop). */
+#define DEFINE_QUANTIZE_CENTERED16(SUFFIX, T, LOAD16)                                                       \
+  static inline void quantize_row_centered16_##SUFFIX(const T *x, int64_t k, int8_t *q, float *scale,       \
+                                                      float *mid) {                                         \
+    __m512 v[16];                                                                                           \
+    __m512 lo16 = _mm512_set1_ps(FLT_MAX), hi16 = _mm512_set1_ps(-FLT_MAX);                                 \
+    const __m512 top = _mm512_set1_ps(FLT_MAX), bottom = _mm512_set1_ps(-FLT_MAX);                          \
+    const int n = (int)(k / 16);                                                                            \
+    for (int c = 0; c < n; c++) {                                                                           \
+      __m512 a = LOAD16(x + 16 * c);                                                                        \
+      a = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, a, _CMP_ORD_Q), a); /* NaN -> 0 */                     \
+      a = _mm512_min_ps(_mm512_max_ps(a, bottom), top);                 /* +-inf -> +-FLT_MAX */            \
+      v[c] = a;                                                                                             \
+      lo16 = _mm512_min_ps(lo16, a);                                                                        \
+      hi16 = _mm512_max_ps(hi16, a);                                                                        \
+    }                                                                                                       \
+    const float lo = _mm512_reduce_min_ps(lo16), hi = _mm512_reduce_max_ps(hi16);                           \
+    if (lo == 0.f || hi == 0.f) { /* a zero bound: its sign, and the scale's, follow the loop order */   \
+      quantize_row_centered_scalar_##SUFFIX(x, k, q, scale, mid);                                           \
+      return;                                                                                               \
+    }                                                                                                       \
+    const float half = hi * 0.5f - lo * 0.5f, center = lo + half;                                           \
+    const float inv = half > 0.f ? 127.f / half : 0.f;                                                      \
+    const __m512 center16 = _mm512_set1_ps(center), inv16 = _mm512_set1_ps(inv);                            \
+    const __m512 limit = _mm512_set1_ps(127.f), neg_limit = _mm512_set1_ps(-127.f);                         \
+    for (int c = 0; c < n; c++) {                                                                           \
+      __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(v[c], center16), inv16),                  \
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);                        \
+      r = _mm512_min_ps(_mm512_max_ps(r, neg_limit), limit);                                                \
+      _mm_storeu_si128((__m128i *)(q + 16 * c), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(r)));               \
+    }                                                                                                       \
+    *scale = half / 127.f;                                                                                  \
+    *mid = center;                                                                                          \
+  }
+
+static inline __m512 int8_quant_load16_f32(const float *x) { return _mm512_loadu_ps(x); }
+static inline __m512 int8_quant_load16_bf16(const uint16_t *x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16));
+}
+DEFINE_QUANTIZE_CENTERED16(f32, float, int8_quant_load16_f32)
+DEFINE_QUANTIZE_CENTERED16(bf16, uint16_t, int8_quant_load16_bf16)
+#define INT8_QUANT_HAS_CENTERED16 1
+#else
+#define INT8_QUANT_HAS_CENTERED16 0
+#endif
+
+/* quantize_row_centered_f32 / _bf16: the 16-lane rule where the row fits it, else the scalar one. */
+#if INT8_QUANT_HAS_CENTERED16
+#define INT8_QUANT_CENTERED16(SUFFIX, x, k, q, scale, mid) \
+  if (k > 0 && k % 16 == 0 && k <= 256) {                \
+    quantize_row_centered16_##SUFFIX(x, k, q, scale, mid); \
+    return;                                                \
+  }
+#else
+#define INT8_QUANT_CENTERED16(SUFFIX, x, k, q, scale, mid) (void)0
+#endif
+static inline void quantize_row_centered_f32(const float *x, int64_t k, int8_t *q, float *scale, float *mid) {
+  INT8_QUANT_CENTERED16(f32, x, k, q, scale, mid);
+  quantize_row_centered_scalar_f32(x, k, q, scale, mid);
+}
+static inline void quantize_row_centered_bf16(const uint16_t *x, int64_t k, int8_t *q, float *scale, float *mid) {
+  INT8_QUANT_CENTERED16(bf16, x, k, q, scale, mid);
+  quantize_row_centered_scalar_bf16(x, k, q, scale, mid);
+}
 
 #define INT8_QUANT_STORE_F32(x) (x)
 #define INT8_QUANT_STORE_BF16(x) f32_to_bf16(x)
