@@ -113,7 +113,7 @@ class RecordingGemm:
         self.calls: list[int] = []
         self.weights: dict[int, torch.Tensor] = {}
 
-    def pack(self, weight: torch.Tensor, max_rows: int) -> AmxWeight:
+    def pack(self, weight: torch.Tensor, max_rows: int, allocate=None) -> AmxWeight:
         data = weight.detach().clone()
         return AmxWeight(data, weight.shape[0], weight.shape[1], max_rows)
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from services.worker.layers.kernel_timing import ThresholdStore, best_time, last_win
 from services.worker.layers.linear import LinearBase, pack_weight, packed_linear
+from services.worker.layers.weight_memory import WeightAllocator, plain_weight_memory
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +56,11 @@ class AmxGemm:
         return plain and weight.is_contiguous() and weight.numel() > 0 and weight.shape[1] % K_MULTIPLE == 0 and (
             bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
 
-    def pack(self, weight: torch.Tensor, max_rows: int) -> AmxWeight:
+    def pack(self, weight: torch.Tensor, max_rows: int,
+             allocate: WeightAllocator = plain_weight_memory) -> AmxWeight:
+        """`allocate`: where the packed copy lives (weight_memory.py: huge pages for the kept copies)."""
         n_size, k_size = weight.shape
-        data = torch.empty(self._numel(n_size, k_size), dtype=torch.bfloat16)
+        data = allocate(self._numel(n_size, k_size), torch.bfloat16)
         self._pack(weight.data_ptr(), data.data_ptr(), n_size, k_size)
         return AmxWeight(data, n_size, k_size, max_rows)
 
@@ -104,10 +107,11 @@ class AmxRowSelector:
         return last_win(tuple(r for r in ROW_GRID if r > min_rows), amx_wins, 0)[0]
 
 
-def use_amx_gemm(model: nn.Module, gemm: AmxGemm, selector: AmxRowSelector) -> int:
+def use_amx_gemm(model: nn.Module, gemm: AmxGemm, selector: AmxRowSelector,
+                 allocate: WeightAllocator = plain_weight_memory) -> int:
     """Packs every bfloat16 matmul weight the kernel supports and beats oneDNN on, taken above the
-    layer's column-tile rows up to its measured limit; returns how many. Run before prepacking (it
-    reads the plain weight)."""
+    layer's column-tile rows up to its measured limit, into memory from `allocate`; returns how many.
+    Run before prepacking (it reads the plain weight)."""
     num_packed = 0
     for layer in model.modules():
         if not isinstance(layer, LinearBase) or not AmxGemm.supports_weight(layer.weight, layer.bias):
@@ -115,6 +119,6 @@ def use_amx_gemm(model: nn.Module, gemm: AmxGemm, selector: AmxRowSelector) -> i
         min_rows = layer.gemv_tiles.max_rows if layer.gemv_tiles is not None else 0
         max_rows = selector.max_rows(layer.weight, gemm, min_rows)
         if max_rows > min_rows:
-            layer.amx_gemm, layer.amx_weight = gemm, gemm.pack(layer.weight, max_rows)
+            layer.amx_gemm, layer.amx_weight = gemm, gemm.pack(layer.weight, max_rows, allocate)
             num_packed += 1
     return num_packed

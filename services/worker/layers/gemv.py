@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from services.worker.layers.linear import MAX_TILE_ROWS, LinearBase
+from services.worker.layers.weight_memory import WeightAllocator, plain_weight_memory
 
 if TYPE_CHECKING:
     from services.worker.layers.tile_rows import TileRowSelector
@@ -78,11 +79,12 @@ class Gemv:
                  x.shape[0], weight.shape[0], weight.shape[1])
         return out
 
-    def pack_tiles(self, weight: torch.Tensor, max_rows: int | None = None) -> TiledWeight:
+    def pack_tiles(self, weight: torch.Tensor, max_rows: int | None = None,
+                   allocate: WeightAllocator = plain_weight_memory) -> TiledWeight:
         """`weight` [N, K] (as `supports_weight` accepts it) repacked into column tiles, taken up to
-        `max_rows` rows (None: `max_tile_rows`)."""
+        `max_rows` rows (None: `max_tile_rows`), in memory from `allocate`."""
         n_size, k_size = weight.shape
-        data = torch.empty(self._tiles_numel(n_size, k_size), dtype=torch.bfloat16)
+        data = allocate(self._tiles_numel(n_size, k_size), torch.bfloat16)
         self._pack(weight.data_ptr(), data.data_ptr(), n_size, k_size)
         return TiledWeight(data, n_size, k_size, self.max_tile_rows if max_rows is None else max_rows)
 
@@ -98,16 +100,17 @@ class Gemv:
         return out
 
 
-def use_gemv(model: nn.Module, gemv: Gemv, tile_rows: TileRowSelector | None = None) -> int:
+def use_gemv(model: nn.Module, gemv: Gemv, tile_rows: TileRowSelector | None = None,
+             allocate: WeightAllocator = plain_weight_memory) -> int:
     """Hands `gemv` to every matmul layer of `model` whose weight it supports; returns how many.
     Run before prepacking: a layer with the GEMV keeps its plain weight beside a packed one, or, where
     the library has the column tiles, the tiled weight, taken up to the rows `tile_rows` gives its
-    shape (None: `gemv.max_tile_rows`)."""
+    shape (None: `gemv.max_tile_rows`); tiled weights live in memory from `allocate`."""
     layers = [m for m in model.modules() if isinstance(m, LinearBase) and Gemv.supports_weight(m.weight, m.bias)]
     for layer in layers:
         layer.gemv = gemv
         if gemv.has_tiles:
-            tiled = gemv.pack_tiles(layer.weight)
+            tiled = gemv.pack_tiles(layer.weight, allocate=allocate)
             if tile_rows is not None:
                 tiled = dataclasses.replace(tiled, max_rows=tile_rows.max_rows(layer.weight, tiled, gemv))
             layer.gemv_tiles = tiled

@@ -46,6 +46,7 @@ from services.worker.layers.layer_ops import LayerOps, TorchLayerOps
 from services.worker.layers.linear import (MAX_GEMV_ROWS, LinearBase, add_float32_copies, can_prepack,
                                           prepack_cpu_weights)
 from services.worker.layers.tile_rows import TileRowSelector
+from services.worker.layers.weight_memory import WeightAllocator, plain_weight_memory, weight_allocator
 from services.worker.layers.w8a8 import W8A8Kernels, int_mm_is_exact, resolve_group_size
 from services.worker.models.decode_stack import DecodeLayersKernel
 from services.worker.platforms.cpu_malloc import keep_step_memory
@@ -73,7 +74,7 @@ class CpuPlatform(Platform):
                  int8_selector: Int8PathSelector | None = None, int8_gemv: Int8Gemv | None = None,
                  w8a8: W8A8Kernels | None = None, decode_layers: DecodeLayersKernel | None = None,
                  tile_rows: TileRowSelector | None = None, amx_gemm: AmxGemm | None = None,
-                 amx_rows: AmxRowSelector | None = None):
+                 amx_rows: AmxRowSelector | None = None, weight_memory: WeightAllocator = plain_weight_memory):
         """`float32_copy`: 16-bit weights also get a float32 packed copy for batches, unless the CPU
         multiplies bfloat16 natively. `kv_cache_bytes`: the KV cache budget (default: the flag's).
         `native_bf16`: None asks this CPU (`cpu_has_native_bf16`). `quantization`: none or int8,
@@ -84,7 +85,8 @@ class CpuPlatform(Platform):
         `decode_layers`: the compiled decoder stack for few-row decode steps (models/decode_stack.py).
         `tile_rows`: each bfloat16 weight shape's row limit on the column tiles (None: the GEMV's
         `max_tile_rows` for all). `amx_gemm`: the AMX-BF16 GEMM for bfloat16 matmuls above the tiles'
-        rows (None: oneDNN takes them), up to each shape's limit from `amx_rows`."""
+        rows (None: oneDNN takes them), up to each shape's limit from `amx_rows`. `weight_memory`: where
+        the column tiles' and the AMX GEMM's packed weights live (layers/weight_memory.py)."""
         if quantization == "w8a8" and w8a8 is None:
             raise ValueError("--quantization w8a8 needs the compiled CPU kernels, which did not build or load "
                              "here (see the log above); use --quantization int8")
@@ -105,6 +107,7 @@ class CpuPlatform(Platform):
         self.tile_rows = tile_rows
         self.amx_gemm = amx_gemm
         self.amx_rows = amx_rows or AmxRowSelector()
+        self.weight_memory = weight_memory
 
     @classmethod
     def from_config(cls, config: WorkerConfig, dtype: torch.dtype, heads: AttentionHeads) -> CpuPlatform:
@@ -147,7 +150,8 @@ class CpuPlatform(Platform):
                    int8_gemv=Int8Gemv(kernels) if gemv_on else None,
                    int8_selector=Int8PathSelector(cache_path=_cache_dir(config) / INT8_THRESHOLDS_FILE), w8a8=w8a8,
                    amx_gemm=amx_gemm, amx_rows=AmxRowSelector(cache_path=_cache_dir(config) / AMX_ROWS_FILE),
-                   decode_layers=DecodeLayersKernel(kernels) if gemv_on and config.cpu_fused_decode else None)
+                   decode_layers=DecodeLayersKernel(kernels) if gemv_on and config.cpu_fused_decode else None,
+                   weight_memory=weight_allocator(config.cpu_huge_pages))
 
     def process_weights_after_loading(self, model: nn.Module) -> str:
         if self.quantization in INT8_WEIGHT_QUANTIZATIONS:  # int8 weights are neither packed nor copied
@@ -155,9 +159,9 @@ class CpuPlatform(Platform):
                                   self.w8a8)
         num_packed = num_copied = num_gemv = num_amx = 0
         if self.gemv is not None and self.dtype == torch.bfloat16:  # before packing: it keeps plain weights
-            num_gemv = use_gemv(model, self.gemv, self.tile_rows)
+            num_gemv = use_gemv(model, self.gemv, self.tile_rows, self.weight_memory)
         if self.amx_gemm is not None and self.dtype == torch.bfloat16:  # after the tiles: it starts above them
-            num_amx = use_amx_gemm(model, self.amx_gemm, self.amx_rows)
+            num_amx = use_amx_gemm(model, self.amx_gemm, self.amx_rows, self.weight_memory)
         if can_prepack(self.device, self.dtype, native_bf16=self.native_bf16):
             num_packed = prepack_cpu_weights(model)
         is_16bit = self.dtype in (torch.bfloat16, torch.float16)
