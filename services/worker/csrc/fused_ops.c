@@ -28,9 +28,10 @@
 #define EXACT_PRODUCTS_ATTR __attribute__((optimize("fp-contract=off")))
 #endif
 
-/* Below this many elements a thread team costs more than it saves: 8192 puts a decode step's
- * residual + RMS norm on both threads from 15 rows of 576 (with the writer's change above it,
- * decode steps of 16-40 rows ran 2-5% faster on a 2-core Sapphire Rapids VM; kv_int8.c). */
+/* Below this many elements a thread team costs more than it saves. 8,192 puts a decode step's
+ * residual + RMS norm on both threads from 15 rows of 576; with the int8 writer's threshold
+ * lowered too (kv_int8.c), decode steps of 16-40 rows ran 2-5% faster on a 2-core Sapphire
+ * Rapids VM. */
 #define MIN_PARALLEL_ELEMENTS 8192
 
 #define LOAD_F32(p) (p)
