@@ -8,18 +8,13 @@ import mmap
 import pytest
 import torch
 
-from services.worker import cpu_kernels
 from services.worker.config import WorkerConfig, config_from_args
 from services.worker.layers import weight_memory
 from services.worker.layers.amx_gemm import AmxGemm
 from services.worker.layers.gemv import Gemv
 from services.worker.layers.weight_memory import HugePageArena, plain_weight_memory, weight_allocator
 from services.worker.platforms import AttentionHeads, build_platform
-
-@pytest.fixture(scope="module")
-def kernel_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")  # one kernel build for the module
-
+from tests.worker.kernel_builds import library_for
 
 needs_thp = pytest.mark.skipif(not HugePageArena.available(),
                                reason="transparent huge pages are off (or unadvisable) on this kernel")
@@ -73,22 +68,21 @@ def test_without_huge_pages_the_allocator_is_plain_memory(monkeypatch, tmp_path)
     assert isinstance(weight_allocator(True), HugePageArena) == hasattr(mmap, "MADV_HUGEPAGE")
 
 
-def test_the_flag_reaches_the_config_and_the_platform(kernel_cache):
+def test_the_flag_reaches_the_config_and_the_platform(tmp_path):
     assert config_from_args(["--no-cpu-huge-pages"]).cpu_huge_pages is False
     assert WorkerConfig().cpu_huge_pages is True
-    off = build_platform(WorkerConfig(cache_dir=str(kernel_cache), cpu_huge_pages=False), torch.device("cpu"),
-                         torch.bfloat16, AttentionHeads(4, 2, 64))
+    # The torch attention backend: no kernel build, and the weights' memory is chosen all the same.
+    off = build_platform(WorkerConfig(cache_dir=str(tmp_path), attention_backend="torch", cpu_huge_pages=False),
+                         torch.device("cpu"), torch.bfloat16, AttentionHeads(4, 2, 64))
     assert off.weight_memory is plain_weight_memory
-    on = build_platform(WorkerConfig(cache_dir=str(kernel_cache)), torch.device("cpu"), torch.bfloat16,
-                        AttentionHeads(4, 2, 64))
+    on = build_platform(WorkerConfig(cache_dir=str(tmp_path), attention_backend="torch"), torch.device("cpu"),
+                        torch.bfloat16, AttentionHeads(4, 2, 64))
     assert isinstance(on.weight_memory, HugePageArena) == HugePageArena.available()
 
 
 @needs_thp
-def test_kernels_multiply_arena_weights_as_ordinary_ones(kernel_cache):
-    library = cpu_kernels.load_cpu_kernels(kernel_cache)
-    if library is None:
-        pytest.skip("the CPU kernels did not build here")
+def test_kernels_multiply_arena_weights_as_ordinary_ones(tmp_path_factory):
+    library = library_for("native", tmp_path_factory.mktemp("kernels-native"))  # the session's build
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(960, 576, generator=gen).to(torch.bfloat16)
     arena = HugePageArena()
