@@ -8,16 +8,10 @@
  * a decode step on a 2-core Sapphire Rapids VM; this reads the 4.7 MB once, both threads. */
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
+
+#include "vec.h"
 
 #define MIN_PARALLEL_ELEMENTS 65536
-
-static inline float bf16_to_f32(uint16_t h) {
-  const uint32_t u = (uint32_t)h << 16;
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
 
 /* The row's argmax, scalar: the reference and the tail. `best`/`best_index` carry a prefix's
  * result in (best_index -1: none yet). */
@@ -44,8 +38,7 @@ static int64_t argmax_row(const uint16_t *x, int64_t n) {
   const __m512i sixteen = _mm512_set1_epi32(16);
   __mmask16 nan_lanes = 0;
   for (int64_t i = 0; i < vec_n; i += 16) {
-    const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-        _mm256_loadu_si256((const __m256i *)(x + i))), 16));
+    const __m512 v = (__m512)load_bf1616(x + i);
     const __mmask16 greater = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
     nan_lanes |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     best = _mm512_mask_mov_ps(best, greater, v);

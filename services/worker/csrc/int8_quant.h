@@ -118,33 +118,32 @@ DEFINE_QUANTIZE_CENTERED(bf16, uint16_t, INT8_QUANT_LOAD_BF16)
     *mid = center;                                                                                          \
   }
 
-static inline __m512 int8_quant_load16_f32(const float *x) { return _mm512_loadu_ps(x); }
-static inline __m512 int8_quant_load16_bf16(const uint16_t *x) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16));
-}
-DEFINE_QUANTIZE_CENTERED16(f32, float, int8_quant_load16_f32)
-DEFINE_QUANTIZE_CENTERED16(bf16, uint16_t, int8_quant_load16_bf16)
+#define INT8_QUANT_LOAD16_F32(x) ((__m512)load_f3216(x))
+#define INT8_QUANT_LOAD16_BF16(x) ((__m512)load_bf1616(x))
+DEFINE_QUANTIZE_CENTERED16(f32, float, INT8_QUANT_LOAD16_F32)
+DEFINE_QUANTIZE_CENTERED16(bf16, uint16_t, INT8_QUANT_LOAD16_BF16)
 #define INT8_QUANT_HAS_CENTERED16 1
 #else
 #define INT8_QUANT_HAS_CENTERED16 0
 #endif
 
 /* quantize_row_centered_f32 / _bf16: the 16-lane rule where the row fits it, else the scalar one. */
-#if INT8_QUANT_HAS_CENTERED16
-#define INT8_QUANT_CENTERED16(SUFFIX, x, k, q, scale, mid) \
-  if (k > 0 && k % 16 == 0 && k <= 256) {                \
-    quantize_row_centered16_##SUFFIX(x, k, q, scale, mid); \
-    return;                                                \
-  }
-#else
-#define INT8_QUANT_CENTERED16(SUFFIX, x, k, q, scale, mid) (void)0
-#endif
 static inline void quantize_row_centered_f32(const float *x, int64_t k, int8_t *q, float *scale, float *mid) {
-  INT8_QUANT_CENTERED16(f32, x, k, q, scale, mid);
+#if INT8_QUANT_HAS_CENTERED16
+  if (k > 0 && k % 16 == 0 && k <= 256) {
+    quantize_row_centered16_f32(x, k, q, scale, mid);
+    return;
+  }
+#endif
   quantize_row_centered_scalar_f32(x, k, q, scale, mid);
 }
 static inline void quantize_row_centered_bf16(const uint16_t *x, int64_t k, int8_t *q, float *scale, float *mid) {
-  INT8_QUANT_CENTERED16(bf16, x, k, q, scale, mid);
+#if INT8_QUANT_HAS_CENTERED16
+  if (k > 0 && k % 16 == 0 && k <= 256) {
+    quantize_row_centered16_bf16(x, k, q, scale, mid);
+    return;
+  }
+#endif
   quantize_row_centered_scalar_bf16(x, k, q, scale, mid);
 }
 

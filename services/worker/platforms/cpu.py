@@ -46,7 +46,8 @@ from services.worker.layers.layer_ops import LayerOps, TorchLayerOps
 from services.worker.layers.linear import (MAX_GEMV_ROWS, LinearBase, add_float32_copies, can_prepack,
                                           prepack_cpu_weights)
 from services.worker.layers.tile_rows import TileRowSelector
-from services.worker.layers.weight_memory import WeightAllocator, plain_weight_memory, weight_allocator
+from services.worker.layers.weight_memory import (HugePageArena, WeightAllocator, plain_weight_memory,
+                                                  weight_allocator)
 from services.worker.layers.w8a8 import W8A8Kernels, int_mm_is_exact, resolve_group_size
 from services.worker.models.decode_stack import DecodeLayersKernel
 from services.worker.platforms.cpu_malloc import keep_step_memory
@@ -168,6 +169,8 @@ class CpuPlatform(Platform):
         if self.float32_copy and is_16bit and not num_packed:  # natively packed weights need no copy
             num_copied = add_float32_copies(model)
         summary = f"{num_packed} matmul weights prepacked, {num_copied} with a float32 copy"
+        if isinstance(self.weight_memory, HugePageArena) and self.weight_memory.num_bytes:
+            summary += f", {self.weight_memory.num_bytes / 2**20:.0f} MiB of packed decode weights on huge pages"
         if num_amx:
             rows = sorted({m.amx_weight.max_rows for m in model.modules()
                            if isinstance(m, LinearBase) and m.amx_weight is not None})
