@@ -8,8 +8,8 @@ from services.worker.attention.cpu_decode import PagedDecodeKernel
 from services.worker.cpu_kernels import load_cpu_kernels
 
 
-def test_measure_reports_time_bandwidth_and_agreement(tmp_path):
-    library = load_cpu_kernels(tmp_path)
+def test_measure_reports_time_bandwidth_and_agreement(kernel_cache):
+    library = load_cpu_kernels(kernel_cache)
     assert library is not None, "the CPU kernels must build here (gcc is on every CI machine)"
     kernel = PagedDecodeKernel(library)
     for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):

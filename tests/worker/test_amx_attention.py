@@ -17,8 +17,8 @@ SCALE = 0.125
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
+def cache_dir(kernel_cache):
+    return kernel_cache
 
 
 @pytest.fixture(scope="module")

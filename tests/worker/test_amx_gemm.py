@@ -20,11 +20,6 @@ from services.worker.platforms import cpu as cpu_platform
 
 
 @pytest.fixture(scope="module")
-def kernel_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
-
-
-@pytest.fixture(scope="module")
 def amx(kernel_cache) -> AmxGemm:
     library = cpu_kernels.load_cpu_kernels(kernel_cache)
     if library is None:

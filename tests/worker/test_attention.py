@@ -10,39 +10,31 @@ import torch
 from services.worker.attention.cpu_backend import CpuAttentionBackend
 from services.worker.attention.cpu_decode import PagedDecodeKernel
 from services.worker.attention.torch_backend import GatherDecode, TorchAttentionBackend
-from services.worker.cpu_kernels import MARCH_FEATURES, _cpu_flags, load_cpu_kernels
 from tests.kernels.paged_batch import TOLERANCES, check_batch, make_batch
 from tests.oracles import dense_attention
+from tests.worker.kernel_builds import MARCHES, library_for
 
-
-MARCHES = ["native", "x86-64-v3"]
 _kernels: dict[str, PagedDecodeKernel] = {}
 
 
-def _kernel(march: str, tmp_path_factory) -> PagedDecodeKernel:
+def _kernel(march: str, kernel_cache) -> PagedDecodeKernel:
     """The kernel built for this CPU (with AVX512_BF16, its bfloat16 path multiplies with VDPBF16PS)
     or the portable build an image ships (generic vector code only)."""
-    if march != "native" and MARCH_FEATURES[march] - _cpu_flags():
-        pytest.skip(f"this CPU cannot run {march} code")
     if march not in _kernels:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setenv("SPINDLE_CPU_KERNEL_MARCH", march)
-            library = load_cpu_kernels(tmp_path_factory.mktemp("kernels"))
-        assert library is not None, "the CPU kernels must build here (gcc is on every CI machine)"
-        _kernels[march] = PagedDecodeKernel(library)
+        _kernels[march] = PagedDecodeKernel(library_for(march, kernel_cache))
     return _kernels[march]
 
 
 @pytest.fixture(params=MARCHES)
-def decode_kernel(tmp_path_factory, request):
-    return _kernel(request.param, tmp_path_factory)
+def decode_kernel(kernel_cache, request):
+    return _kernel(request.param, kernel_cache)
 
 
 @pytest.fixture(params=["torch", *MARCHES])
-def backend(request, tmp_path_factory):
+def backend(request, kernel_cache):
     if request.param == "torch":
         return TorchAttentionBackend()
-    return CpuAttentionBackend(_kernel(request.param, tmp_path_factory))
+    return CpuAttentionBackend(_kernel(request.param, kernel_cache))
 
 
 # Against the float64 reference on the same rounded inputs (TOLERANCES: float32 1e-5, bfloat16

@@ -16,9 +16,9 @@ NAN, INF = float("nan"), float("inf")
 
 
 @pytest.fixture(scope="module", params=MARCHES)
-def argmax(request, tmp_path_factory):
+def argmax(request, kernel_cache):
     """Both builds: this CPU's (16 lanes where it has AVX-512) and the portable one (scalar)."""
-    return CpuGreedyArgmax(library_for(request.param, tmp_path_factory.mktemp(f"kernels-{request.param}")))
+    return CpuGreedyArgmax(library_for(request.param, kernel_cache))
 
 
 def reference(logits: torch.Tensor) -> list[int]:

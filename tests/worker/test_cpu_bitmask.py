@@ -11,8 +11,8 @@ from services.worker.sampler import TorchSampler, apply_token_bitmask_cpu
 
 
 @pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
-    library = load_cpu_kernels(tmp_path_factory.mktemp("kernels"))
+def kernel(kernel_cache):
+    library = load_cpu_kernels(kernel_cache)
     if library is None:
         pytest.skip("no C compiler: the CPU bitmask kernel cannot be built here")
     return CpuTokenBitmask(library)

@@ -29,11 +29,6 @@ from tests.worker.kernel_builds import MARCHES, library_for
 _kernels: dict[str, PagedDecodeInt8Kernel] = {}
 
 
-@pytest.fixture(scope="module")
-def kernel_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")  # one build per march for the whole module
-
-
 def _kernel(march: str, kernel_cache) -> PagedDecodeInt8Kernel:
     """The build for this CPU (with AVX512_BF16 and VBMI, head sizes that are a multiple of 64
     multiply on VDPBF16PS) or the portable one an image ships (float32 passes only)."""

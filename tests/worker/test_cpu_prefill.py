@@ -43,8 +43,8 @@ RAGGED = ((0, 37), (3, 1), (45, 24), (13, 70), (0, 2), (100, 130), (0, 1))
 
 
 @pytest.fixture(scope="module")
-def library(tmp_path_factory):
-    library = load_cpu_kernels(tmp_path_factory.mktemp("kernels"))
+def library(kernel_cache):
+    library = load_cpu_kernels(kernel_cache)
     assert library is not None, "the CPU kernels must build here (gcc is on every CI machine)"
     return library
 
@@ -217,7 +217,7 @@ def test_an_all_decode_step_builds_no_prefill_arrays(library):
     assert backend.build_metadata(batch.common).prefill is None
 
 
-def test_supports_is_false_exactly_where_the_library_has_no_avx512_bf16_path(library, tmp_path, monkeypatch):
+def test_supports_is_false_exactly_where_the_library_has_no_avx512_bf16_path(library, kernel_cache, monkeypatch):
     """Runs on every CPU: the library built for this CPU has the kernel exactly when the CPU has
     AVX512_BF16; the portable x86-64-v3 build never has it, so `supports` is False and a call says why."""
     native = PagedPrefillKernel(library)
@@ -226,7 +226,7 @@ def test_supports_is_false_exactly_where_the_library_has_no_avx512_bf16_path(lib
     if MARCH_FEATURES["x86-64-v3"] - _cpu_flags():
         pytest.skip("this CPU cannot run x86-64-v3 code")
     monkeypatch.setenv("SPINDLE_CPU_KERNEL_MARCH", "x86-64-v3")
-    portable = PagedPrefillKernel(load_cpu_kernels(tmp_path))
+    portable = PagedPrefillKernel(load_cpu_kernels(kernel_cache))
     assert not portable.is_available
     assert not portable.supports(torch.bfloat16, 64, 9, 3)
     batch = make_batch(9, 3, 64, torch.bfloat16, requests=[(0, 5)])
@@ -327,7 +327,7 @@ def _relative_error(x: torch.Tensor, reference: torch.Tensor) -> float:
     return float((x.double() - reference.double()).norm() / reference.double().norm())
 
 
-def test_a_bfloat16_model_prefills_through_the_kernel_as_accurately_as_through_sdpa(kernel, llama_64_dir, tmp_path,
+def test_a_bfloat16_model_prefills_through_the_kernel_as_accurately_as_through_sdpa(kernel, llama_64_dir, fresh_kernel_cache,
                                                                                      monkeypatch):
     """The CPU platform for a bfloat16 model with heads of 64 attends its prefills with the kernel
     (one call per layer and chunk). The hidden states of a prompt prefilled in two chunks are as
@@ -338,7 +338,7 @@ def test_a_bfloat16_model_prefills_through_the_kernel_as_accurately_as_through_s
     monkeypatch.setattr(PagedPrefillKernel, "__call__",
                         lambda self, *args, _call=PagedPrefillKernel.__call__: calls.append(1) or _call(self, *args))
     hf_config = load_config(llama_64_dir)
-    platform = build_platform(WorkerConfig(cache_dir=str(tmp_path)), torch.device("cpu"), torch.bfloat16,
+    platform = build_platform(WorkerConfig(cache_dir=str(fresh_kernel_cache)), torch.device("cpu"), torch.bfloat16,
                               AttentionHeads.from_hf_config(hf_config))
     backend = platform.attention_backend
     assert isinstance(backend, CpuAttentionBackend) and backend.prefill_kernel is not None

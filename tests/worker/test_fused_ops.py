@@ -17,8 +17,8 @@ from services.worker.layers.rotary_embedding import get_rope, rotate
 
 
 @pytest.fixture(scope="module")
-def ops(tmp_path_factory) -> FusedOps:
-    library = load_cpu_kernels(tmp_path_factory.mktemp("kernels"))
+def ops(kernel_cache) -> FusedOps:
+    library = load_cpu_kernels(kernel_cache)
     assert library is not None, "the CPU kernels must build here (gcc is on every CI machine)"
     return FusedOps(library)
 

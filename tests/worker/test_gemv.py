@@ -26,11 +26,6 @@ from tests.worker.cpu_features import needs_bf16_packing
 
 
 @pytest.fixture(scope="module")
-def kernel_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
-
-
-@pytest.fixture(scope="module")
 def gemv(kernel_cache) -> Gemv:
     library = cpu_kernels.load_cpu_kernels(kernel_cache)
     if library is None:

@@ -33,11 +33,6 @@ from tests.worker.test_quantized_model import _greedy
 _gemvs: dict[str, Int8Gemv] = {}
 
 
-@pytest.fixture(scope="module")
-def kernel_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")  # one build per march for the whole module
-
-
 def _gemv(march: str, kernel_cache) -> Int8Gemv:
     """The kernel built for this CPU (with AVX512_BF16, bfloat16 x multiplies on VDPBF16PS) or the
     portable build an image ships (int8 and x widened to float32, AVX2 FMAs)."""

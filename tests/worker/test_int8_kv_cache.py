@@ -26,8 +26,8 @@ from tests.oracles import DenseRequest, check_attention
 from tests.worker.kernel_builds import MARCHES, library_for
 
 @pytest.fixture(scope="module", params=MARCHES)
-def library(request, tmp_path_factory):
-    return library_for(request.param, tmp_path_factory.mktemp(f"kernels-{request.param}"))
+def library(request, kernel_cache):
+    return library_for(request.param, kernel_cache)
 
 
 def _empty_cache(num_blocks, block_size, num_kv_heads, head_dim) -> torch.Tensor:
@@ -221,11 +221,10 @@ def test_layout_sizes_and_allocation_follow_the_int8_rows():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_platform_builds_the_int8_backend_and_refuses_what_it_cannot_serve(dtype, tmp_path_factory,
+def test_the_platform_builds_the_int8_backend_and_refuses_what_it_cannot_serve(dtype, kernel_cache,
                                                                                 monkeypatch):
     heads = AttentionHeads(num_heads=9, num_kv_heads=3, head_dim=64)
-    # One cache folder for both dtypes: the platform builds the kernels there once.
-    config = WorkerConfig(kv_cache_dtype="int8", cache_dir=str(tmp_path_factory.getbasetemp() / "int8-kv-platform"))
+    config = WorkerConfig(kv_cache_dtype="int8", cache_dir=str(kernel_cache))
     platform = build_platform(config, torch.device("cpu"), dtype, heads)
     assert isinstance(platform.attention_backend, Int8CacheCpuBackend)
     with pytest.raises(ValueError, match="does not serve"):

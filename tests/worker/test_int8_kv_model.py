@@ -56,11 +56,6 @@ def _greedy(runner: ModelRunner, prompts: dict[str, list[int]], max_tokens: int)
     return {req_id: scheduler.outputs(req_id) for req_id in prompts}
 
 
-@pytest.fixture(scope="module")
-def kernel_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("kernels")  # one build of the kernels for the module
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_cache_greedy_tokens_stay_within_the_float32_references_top_k(model_dir, dtype, kernel_cache):
     runner = _runner(model_dir, dtype, "int8", kernel_cache)

@@ -39,11 +39,6 @@ from tests.worker.cpu_features import needs_bf16_packing
 HEADS = AttentionHeads(num_heads=4, num_kv_heads=2, head_dim=64)
 
 
-@pytest.fixture(scope="module")
-def kernel_cache(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("cache"))  # the CPU kernels build once for the module
-
-
 @pytest.mark.parametrize("flag,dtype,heads,backend_cls,ops_cls", [
     ("auto", torch.float32, HEADS, CpuAttentionBackend, CpuLayerOps),
     ("auto", torch.bfloat16, HEADS, CpuAttentionBackend, CpuLayerOps),
@@ -53,7 +48,7 @@ def kernel_cache(tmp_path_factory) -> str:
 ])
 def test_cpu_platform_picks_the_compiled_kernels_where_they_serve(kernel_cache, flag, dtype, heads, backend_cls,
                                                                    ops_cls):
-    config = WorkerConfig(attention_backend=flag, cache_dir=kernel_cache, kv_cache_bytes=3 * 2**20)
+    config = WorkerConfig(attention_backend=flag, cache_dir=str(kernel_cache), kv_cache_bytes=3 * 2**20)
     platform = build_platform(config, torch.device("cpu"), dtype, heads)
     assert isinstance(platform, CpuPlatform) and platform.device == torch.device("cpu") and platform.dtype == dtype
     assert type(platform.attention_backend) is backend_cls and type(platform.layer_ops) is ops_cls
@@ -65,7 +60,7 @@ def test_cpu_platform_picks_the_compiled_kernels_where_they_serve(kernel_cache, 
 
 def test_cpu_platform_without_the_kernel_library_is_pytorch_throughout(kernel_cache, monkeypatch):
     monkeypatch.setattr(cpu_platform, "load_cpu_kernels", lambda cache_dir: None)  # a failed build
-    platform = build_platform(WorkerConfig(cache_dir=kernel_cache), torch.device("cpu"), torch.float32, HEADS)
+    platform = build_platform(WorkerConfig(cache_dir=str(kernel_cache)), torch.device("cpu"), torch.float32, HEADS)
     assert type(platform.attention_backend) is TorchAttentionBackend and platform.attention_backend.name == "torch"
     assert type(platform.layer_ops) is TorchLayerOps
 
@@ -149,7 +144,7 @@ def test_a_model_built_on_the_cpu_platform_calls_its_ops_in_every_layer(tiny_lla
     """2 layers: one plain norm, then a residual add + norm after each attention and MLP but the
     last, and the final one; one SiLU-and-mul and one RoPE + cache write per layer."""
     hf_config = load_config(tiny_llama_dir)
-    base = build_platform(WorkerConfig(cache_dir=kernel_cache), torch.device("cpu"), torch.float32,
+    base = build_platform(WorkerConfig(cache_dir=str(kernel_cache)), torch.device("cpu"), torch.float32,
                           AttentionHeads.from_hf_config(hf_config))
     ops = CountingOps(base.layer_ops)
     platform = CpuPlatform(torch.float32, base.attention_backend, ops, float32_copy=False)
@@ -170,7 +165,7 @@ def test_a_model_built_on_the_cpu_platform_calls_its_ops_in_every_layer(tiny_lla
                                                                  ("torch", "torch", TorchLayerOps)])
 def test_worker_builds_its_platform_once_and_hands_it_on(tiny_llama_dir, kernel_cache, flag, expected_backend,
                                                          expected_ops):
-    worker = Worker(WorkerConfig(model=str(tiny_llama_dir), dtype="float32", cache_dir=kernel_cache,
+    worker = Worker(WorkerConfig(model=str(tiny_llama_dir), dtype="float32", cache_dir=str(kernel_cache),
                                  attention_backend=flag, kv_cache_bytes=2**20))
     worker.load_model()
     platform, runner = worker.platform, worker.model_runner

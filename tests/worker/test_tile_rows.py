@@ -16,8 +16,8 @@ from tests.worker.cpu_features import needs_bf16_packing
 
 
 @pytest.fixture(scope="module")
-def tiles(tmp_path_factory) -> Gemv:
-    library = cpu_kernels.load_cpu_kernels(tmp_path_factory.mktemp("cache"))
+def tiles(kernel_cache) -> Gemv:
+    library = cpu_kernels.load_cpu_kernels(kernel_cache)
     if library is None or not Gemv(library).has_tiles:
         pytest.skip("the CPU kernels have no column tiles here (built without AVX512_BF16)")
     return Gemv(library)

@@ -39,11 +39,6 @@ def _cpu_flags() -> set[str]:
         return set(f.read().split())
 
 
-@pytest.fixture(scope="module")
-def kernel_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
-
-
 @pytest.fixture(params=MARCHES)
 def kernels(request, kernel_cache) -> W8A8Kernels:
     return W8A8Kernels(library_for(request.param, kernel_cache))

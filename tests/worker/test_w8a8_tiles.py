@@ -21,11 +21,6 @@ from tests.worker.kernel_builds import library_for
 from tests.worker.test_decode_stack import _run, _runner
 
 
-@pytest.fixture(scope="module")
-def kernel_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
-
-
 @pytest.fixture
 def library(kernel_cache):
     return library_for("native", kernel_cache)

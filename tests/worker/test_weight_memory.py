@@ -81,8 +81,8 @@ def test_the_flag_reaches_the_config_and_the_platform(tmp_path):
 
 
 @needs_thp
-def test_kernels_multiply_arena_weights_as_ordinary_ones(tmp_path_factory):
-    library = library_for("native", tmp_path_factory.mktemp("kernels-native"))  # the session's build
+def test_kernels_multiply_arena_weights_as_ordinary_ones(kernel_cache):
+    library = library_for("native", kernel_cache)
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(960, 576, generator=gen).to(torch.bfloat16)
     arena = HugePageArena()
