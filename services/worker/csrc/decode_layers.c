@@ -115,6 +115,10 @@ static int project_bf16(const DecodeStack *s, int p, int64_t l, const uint16_t *
 #define STORE_F32(x) (x)
 #define STORE_BF16(x) f32_to_bf16(x)
 
+/* Step buffers start on a cache line: tile and vector rows of them then never straddle two lines
+ * (malloc gives 16 bytes). */
+static void *alloc_lines(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
+
 /* hidden [m, H]: the step's embeddings in, the final norm's output out; residual [m, H] scratch.
  * cos/sin [m, head_dim / 2]; slots [m]; block_table [m, *] (row stride block_table_stride), seq_lens
  * [m]. Returns 0; -1 where memory ran out, the decode kernel's status (1-4), 10 + the int8
@@ -128,10 +132,10 @@ static int project_bf16(const DecodeStack *s, int p, int64_t l, const uint16_t *
     const int64_t qkv_width = q_width + 2 * kv_width, inter = s->intermediate, h = s->hidden;                \
     const int group = (int)(s->num_heads / s->num_kv_heads);                                                  \
     const int64_t scratch_floats = (int64_t)num_threads * scratch_floats_per_thread(max_seq_len, group, (int)hd); \
-    T *qkv = malloc(sizeof(T) * m * qkv_width), *gate_up = malloc(sizeof(T) * m * 2 * inter);               \
-    T *act = malloc(sizeof(T) * m * (inter > q_width ? inter : q_width)); /* SiLU out, or attention out */   \
-    float *q32 = malloc(sizeof(float) * m * q_width), *attn32 = malloc(sizeof(float) * m * q_width);          \
-    float *scratch = malloc(sizeof(float) * (scratch_floats > 0 ? scratch_floats : 1));                       \
+    T *qkv = alloc_lines(sizeof(T) * m * qkv_width), *gate_up = alloc_lines(sizeof(T) * m * 2 * inter);     \
+    T *act = alloc_lines(sizeof(T) * m * (inter > q_width ? inter : q_width)); /* SiLU out, or attention out */ \
+    float *q32 = alloc_lines(sizeof(float) * m * q_width), *attn32 = alloc_lines(sizeof(float) * m * q_width); \
+    float *scratch = alloc_lines(sizeof(float) * (scratch_floats > 0 ? scratch_floats : 1));                 \
     int status = 0;                                                                                           \
     if (!qkv || !gate_up || !act || !q32 || !attn32 || !scratch) status = -1;                                 \
     for (int64_t l = 0; l < s->num_layers && status == 0; l++) {                                              \

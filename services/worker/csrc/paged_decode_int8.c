@@ -28,9 +28,10 @@
  *    VPDPBUSD (decode_int8_keys.h); the values turned into bfloat16 by the byte table of
  *    int8_bf16.h (exact for |q| <= 127) and multiplied on VDPBF16PS against the weights p_t *
  *    v_scale_t rounded to bfloat16, as the bfloat16 kernel rounds them;
- *  - where the CPU also has AMX-INT8 (the library's attention switch on), head_dim is 64, blocks
- *    hold a multiple of 16 tokens and a step has at least 4 requests: both passes on the tile unit
- *    (paged_decode_int8_amx.h), the same scores, the values against 15-bit weights.
+ *  - where the CPU also has AMX-INT8 (the library's attention switch on), head_dim is 64, groups
+ *    are of at most 8 query heads, blocks hold a multiple of 16 tokens and a step has at least 4
+ *    requests: both passes on the tile unit (paged_decode_int8_amx.h), the same scores, the values
+ *    against 15-bit weights (scratch on a cache line, or those passes lose their gain).
  */
 #include <stdint.h>
 #include <string.h>
