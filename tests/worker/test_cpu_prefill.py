@@ -327,8 +327,8 @@ def _relative_error(x: torch.Tensor, reference: torch.Tensor) -> float:
     return float((x.double() - reference.double()).norm() / reference.double().norm())
 
 
-def test_a_bfloat16_model_prefills_through_the_kernel_as_accurately_as_through_sdpa(kernel, llama_64_dir, fresh_kernel_cache,
-                                                                                     monkeypatch):
+def test_a_bfloat16_model_prefills_through_the_kernel_as_accurately_as_through_sdpa(kernel, llama_64_dir,
+                                                                                     fresh_kernel_cache, monkeypatch):
     """The CPU platform for a bfloat16 model with heads of 64 attends its prefills with the kernel
     (one call per layer and chunk). The hidden states of a prompt prefilled in two chunks are as
     close to the float32 model's (PyTorch throughout) as those of the same platform with SDPA

@@ -10,19 +10,19 @@
  * - keys: S [group][16 tokens] = Q [group][64] . K^T. The key block's layout, int8 [64 / 4][block
  *   size][4], is already a B tile (a row: 16 tokens' fours of one four of dimensions), loaded where
  *   it lies; the query is decode_int8_keys.h's quantized high and low parts stacked as the rows of
- *   one A tile, summed exactly in int32 on TDPBSSD (no bias: both operands signed), so the scores are the VNNI pass's
- *   bit for bit.
+ *   one A tile, summed exactly in int32 on TDPBSSD (no bias: both operands signed), so the scores
+ *   are the VNNI pass's bit for bit.
  * - values: O [group][64] = W [group][16 tokens] . V [16 tokens][64], the cached value rows loaded
  *   as B tiles where they lie. A B tile's 4-byte group holds four neighbouring dimensions of one
  *   token, so a weight placed at byte j of each group (the other three bytes zero) gives output
- *   dimensions 4n + j alone. The weights w_t = p_t * v_scale_t are quantized per item and
- *   query head in steps of a power of two at least max(w) / 32767 (so bfloat16-exact weights stay
+ *   dimensions 4n + j alone. The weights w_t = p_t * v_scale_t are quantized per item and query
+ *   head in steps of a power of two at least max(w) / 32767 (so bfloat16-exact weights stay
  *   exact), split as w = 128 * high + low (high in [0, 255], low in [0, 127]), and multiplied
  *   unsigned by the signed values on TDPBUSD into int32: 15 bits, finer than the bfloat16 rounding
  *   of the weights on the VDPBF16PS pass. The 8 x group rows of weights (4 byte positions x 2
  *   parts x group) are written once as A rows and multiplied in 2 tiles (4 where group > 4), so
- *   each value tile is loaded once. Weights past the sequence are 0 and the values are integers, so whatever the rows past the
- *   sequence hold adds nothing.
+ *   each value tile is loaded once. Weights past the sequence are 0 and the values are integers,
+ *   so whatever the rows past the sequence hold adds nothing.
  * An item whose weights are not finite (a NaN or infinite query) runs the VNNI passes, which give
  * NaN as the float32 passes would.
  *
