@@ -143,3 +143,25 @@ def test_held_back_text_is_flushed_at_finish(tokenizer):
     emitted = [detok.update([t]) for t in token_ids[:-1]] + [detok.update(token_ids[-1:], is_finished=True)]
     assert "".join(emitted) == "abcST"
     assert not detok.is_stopped
+
+
+def test_a_tokenizer_that_cleans_up_spaces_keeps_transformers_decode():
+    """transformers removes the space before punctuation where `clean_up_tokenization_spaces` is set
+    on a non-BPE tokenizer; the detokenizer must then decode through transformers, not the Rust call."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from services.frontend.detokenizer import decode_fn
+
+    vocab = {"[UNK]": 0, "hello": 1, ",": 2, "world": 3, "!": 4}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(cleanup=False)  # the Rust decoder leaves the spaces
+    cleaned = PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=True)
+    raw = PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False)
+    ids = [1, 2, 3, 4]
+    assert cleaned.decode(ids) == "hello, world!" and raw.decode(ids) == "hello , world !"
+    assert decode_fn(cleaned)(ids, True) == "hello, world!"
+    assert decode_fn(raw)(ids, True) == "hello , world !"
+    detok = IncrementalDetokenizer(cleaned)
+    assert "".join(detok.update([t]) for t in ids) + detok.update([], is_finished=True) == "hello, world!"

@@ -73,3 +73,21 @@ def test_chat_through_the_app(model, tokenizer):
                              "prompt_tokens_details": {"cached_tokens": 0}}
     streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
     assert streamed == full["choices"][0]["message"]["content"] == "Paris 🇫🇷 est la capitale."
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_fast_decode_matches_transformers_decode(tokenizer, skip_special_tokens):
+    """The detokenizer's direct Rust decode gives transformers' text on every window it decodes:
+    pieces of characters, special tokens, windows at the start of a text."""
+    import random
+
+    from services.frontend.detokenizer import decode_fn
+
+    rng = random.Random(0)
+    ids = tokenizer.encode("Paris 🇫🇷 est la capitale. 日本語 café  a\n\tb", add_special_tokens=False)
+    ids = ids + [0, 1, 2] + ids  # <|endoftext|>, <|im_start|>, <|im_end|>
+    decode = decode_fn(tokenizer)
+    windows = [ids[i:j] for i in range(len(ids)) for j in range(i, min(i + 7, len(ids)) + 1)]
+    windows += [[rng.randrange(len(tokenizer)) for _ in range(rng.randint(1, 6))] for _ in range(300)]
+    for window in windows:
+        assert decode(window, skip_special_tokens) == tokenizer.decode(window, skip_special_tokens=skip_special_tokens)
