@@ -40,10 +40,10 @@ def decode_fn(tokenizer: Any) -> DecodeFn:
     """
     from transformers import PreTrainedTokenizerFast
 
+    # Both take (token_ids, skip_special_tokens) positionally: the bound methods, no wrapper call.
     if isinstance(tokenizer, PreTrainedTokenizerFast) and not tokenizer.clean_up_tokenization_spaces:
-        backend = tokenizer.backend_tokenizer
-        return lambda token_ids, skip_special_tokens: backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
-    return lambda token_ids, skip_special_tokens: tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return tokenizer.backend_tokenizer.decode
+    return tokenizer.decode
 
 
 class IncrementalDetokenizer:
