@@ -11,7 +11,7 @@ from services.worker.config import RunnerConfig, WorkerConfig
 from services.worker.kv_cache import KVCacheLayout
 from services.worker.model_loader import load_config, load_model
 from services.worker.model_runner import ModelRunner
-from services.worker.models.decode_stack import WEIGHTS_BF16, WEIGHTS_BF16_TILES, DecodeStack
+from services.worker.models.decode_stack import WEIGHTS_BF16, WEIGHTS_BF16_TILES, WEIGHTS_INT8, DecodeStack
 from services.worker.platforms import AttentionHeads, build_platform
 from services.worker.layers.amx_gemm import AmxRowSelector
 from services.worker.layers.tile_rows import TileRowSelector
@@ -124,6 +124,26 @@ def test_the_tiled_stack_takes_steps_above_the_tiles_on_the_amx_gemm(tiny_llama_
     fused, fused_tokens = _run(fused_runner, prompt_lens, max_tokens=6)
     assert max(fused.stack_rows) > 6
     _assert_bf16_layer_paths_results(tiny_llama_dir, prompt_lens, fused, fused_tokens, max_tokens=6)
+
+
+def test_the_int8_stack_takes_steps_above_the_int8_gemv_on_the_amx_gemm(tiny_llama_dir, monkeypatch):
+    """int8 weights, bfloat16 activations, the int8 GEMV's rows lowered to 2: decode steps of 3-12 rows
+    run on the stack with the int8 AMX GEMM above the GEMV, as the layer path multiplies them, with its
+    hidden states bit for bit."""
+    monkeypatch.setattr(AmxRowSelector, "int8_rows", lambda self, int8, gemm: (2, 64))
+    fused_runner = _runner(tiny_llama_dir, torch.bfloat16, "int8", fused=True)
+    stack = fused_runner.model.model.decode_stack
+    if stack.weight_kind != WEIGHTS_INT8 or not all(stack.amx_rows):
+        pytest.skip("no AMX GEMM for int8 weights here (a CPU without AMX-BF16)")
+    assert stack.tile_rows == (2,) * 4 and stack.amx_rows == (64,) * 4 and stack.max_num_rows == 64
+    prompt_lens = [2 + i % 2 for i in range(12)]  # 30 tokens: one prefill step within the 32-token budget
+    fused, fused_tokens = _run(fused_runner, prompt_lens, max_tokens=6)
+    assert max(fused.stack_rows) > 2
+    layered, layered_tokens = _run(_runner(tiny_llama_dir, torch.bfloat16, "int8", fused=False), prompt_lens,
+                                   max_tokens=6)
+    assert fused_tokens == layered_tokens
+    for step, (a, b) in enumerate(zip(fused.hidden, layered.hidden)):
+        assert torch.equal(a, b), f"step {step}: largest difference {(a.float() - b.float()).abs().max()}"
 
 
 def _assert_bf16_layer_paths_results(model_dir, prompt_lens: list[int], fused: _Recorder, fused_tokens,

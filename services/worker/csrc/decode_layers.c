@@ -36,6 +36,8 @@ int gemm_tiles_bf16(const uint16_t *x, const uint16_t *wt, const uint16_t *bias,
                     int64_t n_size, int64_t k_size);
 int gemm_amx_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int64_t m_size,
                   int64_t n_size, int64_t k_size);
+int gemm_amx_int8w(const uint16_t *x, const int8_t *packed, const float *scales, const uint16_t *bias, uint16_t *y,
+                   int64_t m_size, int64_t n_size, int64_t k_size);
 int int8_tiles_bf16(const uint16_t *x, const uint8_t *wt, const float *w_scales, const uint16_t *bias, uint16_t *y,
                     int64_t m_size, int64_t n_size, int64_t k_size, int64_t group_size);
 int gemv_int8_f32(const float *x, const int8_t *q, const float *scales, const float *bias, float *y, int64_t m,
@@ -84,7 +86,9 @@ typedef struct {
   int64_t kv_block_bytes, num_blocks;
   int64_t act_group_size; /* WEIGHTS_INT8_TILES: the tiles' activation groups (0: per row) */
   /* WEIGHTS_BF16_TILES: each projection's column tiles take up to tile_rows[p] rows; above them its
-   * weight in the AMX GEMM's panels (amx[p]) takes up to amx_rows[p] (0 where it has none). */
+   * weight in the AMX GEMM's panels (amx[p]) takes up to amx_rows[p] (0 where it has none).
+   * WEIGHTS_INT8 with amx_rows[p] set: the int8 GEMV takes up to tile_rows[p] rows, the int8 AMX
+   * GEMM's panels above. */
   int64_t tile_rows[NUM_PROJ], amx_rows[NUM_PROJ];
   void **amx[NUM_PROJ];
 } DecodeStack;
@@ -97,6 +101,10 @@ static int project_f32(const DecodeStack *s, int p, int64_t l, const float *x, f
 
 static int project_bf16(const DecodeStack *s, int p, int64_t l, const uint16_t *x, uint16_t *y, int64_t m,
                         int64_t n, int64_t k) {
+  if (s->weight_kind == WEIGHTS_INT8 && s->amx_rows[p] && m > s->tile_rows[p]) {
+    if (m > s->amx_rows[p]) return 20;
+    return gemm_amx_int8w(x, s->amx[p][l], s->scales[p][l], s->bias[p][l], y, m, n, k) ? 21 : 0;
+  }
   if (s->weight_kind == WEIGHTS_INT8 || (s->weight_kind == WEIGHTS_INT8_TILES && m <= s->max_gemv_rows))
     return gemv_int8_bf16(x, s->weight[p][l], s->scales[p][l], s->bias[p][l], y, m, n, k);
   if (s->weight_kind == WEIGHTS_INT8_TILES)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,9 @@ from services.worker.layers.int8_kernels import (
     int8pack_linear,
     quantize_per_channel,
 )
+
+if TYPE_CHECKING:
+    from services.worker.layers.amx_gemm import AmxGemm, AmxInt8Weight
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +71,9 @@ class Int8Weight:
         self.max_gemv_rows = MAX_INT8_GEMV_ROWS  # raised where the selector measured the GEMV faster
         self.w8a8: W8A8Kernels | None = None  # set: rows off the GEMV quantize their activations
         self.tiles: Int8TiledWeight | None = None  # W8A8's column tiles, for the rows the GEMV does not take
+        # Weight-only int8, bfloat16 x: the AMX GEMM and this weight in its panels, above the GEMV's rows
+        self.amx_gemm: AmxGemm | None = None
+        self.amx_weight: AmxInt8Weight | None = None
 
     def use_gemv(self, gemv: Int8Gemv) -> bool:
         """Multiplies x of up to MAX_INT8_GEMV_ROWS rows on `gemv` from now on, where it supports
@@ -99,6 +106,9 @@ class Int8Weight:
             if (self.gemv is not None and x.shape[0] <= self.max_gemv_rows and x.dim() == 2
                     and x.dtype in Int8Gemv.DTYPES):
                 return self.gemv(x, self.qweight, self.scales, bias)
+            if (self.amx_weight is not None and x.shape[0] <= self.amx_weight.max_rows and x.dim() == 2
+                    and x.dtype == torch.bfloat16):
+                return self.amx_gemm(x, self.amx_weight, bias)
             if self.tiles is not None and x.dtype == torch.bfloat16:
                 rows = x.reshape(-1, x.shape[-1])
                 if rows.shape[0] <= self.tiles.max_rows:

@@ -52,6 +52,11 @@ def last_win(grid: tuple[int, ...], wins: Callable[[int], bool], threshold: int)
     return threshold, num_losses == 0
 
 
+def first_win(grid: tuple[int, ...], wins: Callable[[int], bool]) -> int:
+    """The first row count of `grid` where `wins(num_rows)` holds, or 0 where it never does."""
+    return next((num_rows for num_rows in grid if wins(num_rows)), 0)
+
+
 class ThresholdStore:
     """Row limits by name in a JSON file (None: in memory only), each name prefixed with this
     machine (CPU model, torch's CPU capability, thread count, torch version). Read on first use."""

@@ -10,7 +10,8 @@ path bit for bit.
 
 `attach_decode_stack` gives one to a `LlamaModel` whose every layer qualifies: plain (unsharded)
 projections all on the bfloat16 GEMV or its column tiles (bfloat16 activations; above the tiles the
-AMX GEMM where every layer's projection has it) or all on the int8 GEMV, biases in the activations'
+AMX GEMM where every layer's projection has it) or all on the int8 GEMV (with bfloat16 activations
+the int8 AMX GEMM above it, likewise), biases in the activations'
 dtype, the compiled fused ops and paged-decode attention (on a cache in the activations' dtype, or
 on the int8 cache with its compiled writer), SiLU. `LlamaModel.forward` then takes it for all-decode
 steps of up to the kernels' row limit (every layer's).
@@ -85,7 +86,8 @@ class DecodeStack:
         self.max_num_rows = max_num_rows
         self.max_gemv_rows = max_gemv_rows  # WEIGHTS_INT8_TILES: the int8 GEMV's rows, the tiles' above
         self.act_group_size = act_group_size  # WEIGHTS_INT8_TILES: W8A8's activation groups (0: per row)
-        # WEIGHTS_BF16_TILES, per projection: the column tiles' rows, and the AMX GEMM's above them (0: none)
+        # Per projection: the rows of its few-row kernel (bfloat16 column tiles; the int8 GEMV where an int8
+        # weight has the AMX GEMM), and the AMX GEMM's above them (0: none)
         self.tile_rows, self.amx_rows = tuple(tile_rows), tuple(amx_rows)
         self._function = kernel.function(dtype)
         self._projections = projections  # per layer: (weight, scales, bias, tiles, amx) of qkv, o, gate_up, down
@@ -210,11 +212,15 @@ def attach_decode_stack(model: LlamaModel, kernel: DecodeLayersKernel) -> str:
 
 
 def _tile_rows(proj: LinearBase) -> int:
+    """The rows of the projection's few-row kernel below its AMX GEMM: column tiles, or the int8 GEMV."""
+    if proj.int8_weight is not None:
+        return proj.int8_weight.max_gemv_rows if proj.int8_weight.amx_weight is not None else 0
     return proj.gemv_tiles.max_rows if proj.gemv_tiles is not None else 0
 
 
 def _amx_rows(proj: LinearBase) -> int:
-    return proj.amx_weight.max_rows if proj.amx_weight is not None else 0
+    amx_weight = proj.int8_weight.amx_weight if proj.int8_weight is not None else proj.amx_weight
+    return amx_weight.max_rows if amx_weight is not None else 0
 
 
 def _max_rows(proj: LinearBase, weight_kind: int) -> int:
@@ -223,7 +229,9 @@ def _max_rows(proj: LinearBase, weight_kind: int) -> int:
         return max(_tile_rows(proj), _amx_rows(proj))
     if weight_kind == WEIGHTS_INT8_TILES:
         return max(proj.int8_weight.tiles.max_rows, proj.int8_weight.max_gemv_rows)
-    return proj.int8_weight.max_gemv_rows if weight_kind == WEIGHTS_INT8 else MAX_GEMV_ROWS
+    if weight_kind == WEIGHTS_INT8:  # the int8 AMX GEMM above the GEMV, where the weight has it
+        return max(proj.int8_weight.max_gemv_rows, _amx_rows(proj))
+    return MAX_GEMV_ROWS
 
 
 def _gemv_operands(proj: LinearBase, dtype: torch.dtype):
@@ -243,7 +251,8 @@ def _gemv_operands(proj: LinearBase, dtype: torch.dtype):
             if int8.tiles.asymmetric and int8.max_gemv_rows:
                 return None  # the stack passes one scale per channel to both, and these differ
             return WEIGHTS_INT8_TILES, int8.qweight, int8.tiles.scales, bias, int8.tiles.data, None
-        return WEIGHTS_INT8, int8.qweight, int8.scales, bias, None, None
+        amx = int8.amx_weight.data if int8.amx_weight is not None and dtype == torch.bfloat16 else None
+        return WEIGHTS_INT8, int8.qweight, int8.scales, bias, None, amx
     if proj.gemv_tiles is not None and dtype == torch.bfloat16:
         amx = proj.amx_weight.data if proj.amx_weight is not None else None
         return WEIGHTS_BF16_TILES, proj.gemv_tiles.data, None, bias, None, amx

@@ -37,7 +37,7 @@ from services.worker.cpu_argmax import CpuGreedyArgmax
 from services.worker.cpu_bitmask import CpuTokenBitmask
 from services.worker.cpu_kernels import load_cpu_kernels
 from services.worker.kv_cache import KVCacheLayout
-from services.worker.layers.amx_gemm import AmxGemm, AmxRowSelector, use_amx_gemm
+from services.worker.layers.amx_gemm import AmxGemm, AmxRowSelector, use_amx_gemm, use_amx_int8
 from services.worker.layers.fused_ops import CpuLayerOps, FusedOps
 from services.worker.layers.gemv import Gemv, use_gemv
 from services.worker.layers.int8_gemv import Int8Gemv
@@ -156,8 +156,17 @@ class CpuPlatform(Platform):
 
     def process_weights_after_loading(self, model: nn.Module) -> str:
         if self.quantization in INT8_WEIGHT_QUANTIZATIONS:  # int8 weights are neither packed nor copied
-            return quantize_model(model, self.dtype, self.native_bf16, self.int8_selector, self.int8_gemv,
-                                  self.w8a8)
+            summary = quantize_model(model, self.dtype, self.native_bf16, self.int8_selector, self.int8_gemv,
+                                     self.w8a8)
+            if self.amx_gemm is not None and self.w8a8 is None and self.dtype == torch.bfloat16:
+                num_amx = use_amx_int8(model, self.amx_gemm, self.amx_rows, self.weight_memory)
+                if num_amx:
+                    rows = sorted({m.int8_weight.amx_weight.max_rows for m in model.modules()
+                                   if isinstance(m, LinearBase) and m.int8_weight is not None
+                                   and m.int8_weight.amx_weight is not None})
+                    limit = f"{rows[0]}" if len(rows) == 1 else f"{rows[0]}-{rows[-1]} (by shape)"
+                    summary += f", {num_amx} in int8 panels on the AMX GEMM up to {limit} rows"
+            return summary
         num_packed = num_copied = num_gemv = num_amx = 0
         if self.gemv is not None and self.dtype == torch.bfloat16:  # before packing: it keeps plain weights
             num_gemv = use_gemv(model, self.gemv, self.tile_rows, self.weight_memory)
