@@ -6,7 +6,7 @@ accuracy.
         [--configs float32-kv8,bf16,bf16-kv8,w8a8,w8a8-kv8] [--no-openvino]
         [--out benchmarks/results/engine_drift.json]
 
-`--configs` takes any of `SPINDLE_CONFIGS` (w8a8-rows, w8a8-rows-kv8 and w8a8-g64 too).
+`--configs` takes any of `SPINDLE_CONFIGS` (int8, int8-kv8, w8a8-rows, w8a8-rows-kv8 and w8a8-g64 too).
 
 The 8 parity prompts of tests/e2e/test_default_model.py and 24 more (`MORE_PROMPTS`: eight prompts
 are too few, as a near-tie at the first token ends a row's agreement by chance), in the chat
@@ -43,6 +43,8 @@ SPINDLE_CONFIGS = {
     "float32-kv8": ("float32", "none", "int8", -1),
     "bf16": ("bfloat16", "none", "auto", -1),
     "bf16-kv8": ("bfloat16", "none", "int8", -1),
+    "int8": ("bfloat16", "int8", "auto", -1),
+    "int8-kv8": ("bfloat16", "int8", "int8", -1),
     "w8a8": ("bfloat16", "w8a8", "auto", -1),
     "w8a8-kv8": ("bfloat16", "w8a8", "int8", -1),
     "w8a8-rows": ("bfloat16", "w8a8", "auto", 0),

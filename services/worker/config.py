@@ -65,7 +65,8 @@ class WorkerConfig:
     cpu_fused_decode: bool = True
     cpu_gemm_tiles: bool = True
     # bfloat16 on a CPU with AMX-BF16: matmuls above the column tiles' rows on the AMX kernel
-    # (layers/amx_gemm.py) up to each weight shape's measured limit, in place of oneDNN's GEMM.
+    # (layers/amx_gemm.py) up to each weight shape's measured limit, in place of oneDNN's GEMM; weight-only
+    # int8 above the int8 GEMV's rows likewise, on int8 panels.
     cpu_amx_gemm: bool = True
     # bfloat16 on a CPU with AMX-BF16: attention on the tile unit where head_dim is 64 (attention/amx_attention.py):
     # prefills, and decodes on a bfloat16 or (with AMX-INT8) int8 cache in blocks of 16k tokens; else the AVX-512 /
@@ -195,7 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
              help="bfloat16 on a CPU with AMX-BF16: matmuls above the column tiles' rows on Spindle's AMX kernel "
                   "up to the rows where oneDNN's GEMM wins, timed once per weight shape and kept in the cache "
                   "folder (30 layers' matmuls at 16-48 rows 1.2-1.5x faster than oneDNN's on a 2-core Sapphire "
-                  "Rapids; one more copy of the matmul weights); false leaves them to oneDNN")
+                  "Rapids; one more copy of the matmul weights); with --quantization int8, the int8 weights on "
+                  "the same kernel from the rows where it beats the int8 GEMV (a 20-row decode step's matmuls "
+                  "1.35x faster than bfloat16's there; one more copy of the int8 weights); false leaves them to "
+                  "oneDNN (int8: the int8 GEMV, int8pack_mm and the widened GEMM)")
     add_flag(parser, "--cpu-amx-attention", type=bool, default=True,
              help="bfloat16 on a CPU with AMX-BF16: attention on the AMX tile unit where head_dim is 64: prefills, "
                   "and decodes on a bfloat16 cache, or an int8 one (AMX-INT8), with --block-size a multiple of 16 "

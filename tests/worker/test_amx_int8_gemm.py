@@ -9,23 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from services.worker import cpu_kernels
 from services.worker.layers.amx_gemm import INT8_ROW_GRID, AmxGemm, AmxInt8Weight, AmxRowSelector, use_amx_int8
 from services.worker.layers.int8_kernels import dequantize, quantize_per_channel
 from services.worker.layers.int8_linear import Int8Weight
 from services.worker.layers.linear import Linear
 from services.worker.platforms import cpu as cpu_platform
-
-
-@pytest.fixture(scope="module")
-def amx(kernel_cache) -> AmxGemm:
-    library = cpu_kernels.load_cpu_kernels(kernel_cache)
-    if library is None:
-        pytest.skip("the CPU kernels did not build here")
-    gemm = AmxGemm(library)
-    if not gemm.available:
-        pytest.skip("no AMX-BF16 here (or the kernel refused the tile state)")
-    return gemm
+from tests.worker.test_amx_gemm import amx  # noqa: F401 (the fixture: the kernel, or a skip without AMX)
 
 
 def _int8(num_out: int, num_in: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

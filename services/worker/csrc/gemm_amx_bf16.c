@@ -101,36 +101,6 @@ static inline void store_block(const float *sums, int rows, uint16_t *y, int64_t
   }
 }
 
-/* One panel (two B tiles a step) against x rows in A tiles a0 and, where two_row_tiles, a1 (each
- * read with the row stride of x): four C tiles of sums, every B tile meeting both A tiles. */
-static inline void panel_block(const uint16_t *a0, const uint16_t *a1, int64_t a_stride, const uint16_t *b,
-                               int64_t num_steps, float *sums, int two_row_tiles, int prefetch) {
-  _tile_zero(0);
-  _tile_zero(1);
-  if (two_row_tiles) { _tile_zero(2); _tile_zero(3); }
-  for (int64_t s = 0; s < num_steps; s++) {
-    const uint16_t *bs = b + s * STEP_ELEMS;
-    if (prefetch)
-      for (int l = 0; l < 32; l++) _mm_prefetch((const char *)(bs + PREFETCH_STEPS * STEP_ELEMS) + 64 * l, _MM_HINT_T1);
-    _tile_loadd(6, bs, 64);
-    _tile_loadd(7, bs + 16 * 32, 64);
-    _tile_loadd(4, a0 + s * KSTEP, a_stride);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    if (two_row_tiles) {
-      _tile_loadd(5, a1 + s * KSTEP, a_stride);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-  }
-  _tile_stored(0, sums, PANEL * 4);
-  _tile_stored(1, sums + 16, PANEL * 4);
-  if (two_row_tiles) {
-    _tile_stored(2, sums + 16 * PANEL, PANEL * 4);
-    _tile_stored(3, sums + 16 * PANEL + 16, PANEL * 4);
-  }
-}
-
 /* One panel step's int8 B tiles (1 KB) widened to bfloat16 in the same layout (2 KB): exact, as
  * every int8 value is a bfloat16. */
 static inline void widen_step(const int8_t *q, uint16_t *out) {
@@ -141,22 +111,28 @@ static inline void widen_step(const int8_t *q, uint16_t *out) {
   }
 }
 
-/* panel_block for an int8 panel: each step widened one step ahead of its product, so the tile unit
- * multiplies step s while step s + 1 converts; into a ring of four bfloat16 steps in L1 (`wide`
- * with keep 0), or into the whole panel's (keep 1) for the row blocks after this one. */
-static inline void panel_block_int8(const uint16_t *a0, const uint16_t *a1, int64_t a_stride, const int8_t *q,
-                                    int64_t num_steps, float *sums, int two_row_tiles, int prefetch,
-                                    uint16_t *wide, int keep) {
-  const int64_t mask = keep ? -1 : 3;
+/* One panel (two B tiles a step) against x rows in A tiles a0 and, where two_row_tiles, a1 (each
+ * read with the row stride of x): four C tiles of sums, every B tile meeting both A tiles. The
+ * panel is bfloat16 at b, or int8 at q: then each step is widened into `wide` one step ahead of its
+ * product, so the tile unit multiplies step s while step s + 1 converts; `wide` is a ring of four
+ * steps in L1 (wide_mask 3) or the whole panel (wide_mask -1), kept for the next row blocks. */
+static inline void panel_block(const uint16_t *a0, const uint16_t *a1, int64_t a_stride, const uint16_t *b,
+                               const int8_t *q, uint16_t *wide, int64_t wide_mask, int64_t num_steps, float *sums,
+                               int two_row_tiles, int prefetch) {
   _tile_zero(0);
   _tile_zero(1);
   if (two_row_tiles) { _tile_zero(2); _tile_zero(3); }
-  widen_step(q, wide);
+  if (q) widen_step(q, wide);
   for (int64_t s = 0; s < num_steps; s++) {
-    if (prefetch)
-      for (int l = 0; l < 16; l++) _mm_prefetch((const char *)(q + (s + PREFETCH_STEPS) * STEP_ELEMS) + 64 * l, _MM_HINT_T1);
-    if (s + 1 < num_steps) widen_step(q + (s + 1) * STEP_ELEMS, wide + ((s + 1) & mask) * STEP_ELEMS);
-    const uint16_t *bs = wide + (s & mask) * STEP_ELEMS;
+    const uint16_t *bs = b + s * STEP_ELEMS;
+    if (q) {
+      if (prefetch)
+        for (int l = 0; l < 16; l++) _mm_prefetch((const char *)(q + (s + PREFETCH_STEPS) * STEP_ELEMS) + 64 * l, _MM_HINT_T1);
+      if (s + 1 < num_steps) widen_step(q + (s + 1) * STEP_ELEMS, wide + ((s + 1) & wide_mask) * STEP_ELEMS);
+      bs = wide + (s & wide_mask) * STEP_ELEMS;
+    } else if (prefetch) {
+      for (int l = 0; l < 32; l++) _mm_prefetch((const char *)(bs + PREFETCH_STEPS * STEP_ELEMS) + 64 * l, _MM_HINT_T1);
+    }
     _tile_loadd(6, bs, 64);
     _tile_loadd(7, bs + 16 * 32, 64);
     _tile_loadd(4, a0 + s * KSTEP, a_stride);
@@ -212,14 +188,14 @@ static int gemm_panels(const uint16_t *x, const uint16_t *packed, const int8_t *
           const int64_t rows = c1 - m0 < MBLOCK ? c1 - m0 : MBLOCK;
           const uint16_t *a0 = m0 < full_rows ? x + m0 * k_size : pad;
           const uint16_t *a1 = m0 + TILE < full_rows ? x + (m0 + TILE) * k_size : pad;
-          if (packed_int8 && m0 == c0)
-            panel_block_int8(a0, a1, stride, packed_int8 + p * num_steps * STEP_ELEMS, num_steps, sums,
-                             rows > TILE, 1, wide, keep);
+          if (packed_int8 && m0 == c0) /* the first row block widens the int8 panel */
+            panel_block(a0, a1, stride, NULL, packed_int8 + p * num_steps * STEP_ELEMS, wide, keep ? -1 : 3,
+                        num_steps, sums, rows > TILE, 1);
           else if (packed_int8)
-            panel_block(a0, a1, stride, wide, num_steps, sums, rows > TILE, 0);
+            panel_block(a0, a1, stride, wide, NULL, NULL, 0, num_steps, sums, rows > TILE, 0);
           else
-            panel_block(a0, a1, stride, packed + p * num_steps * STEP_ELEMS, num_steps, sums, rows > TILE,
-                        m0 == c0);
+            panel_block(a0, a1, stride, packed + p * num_steps * STEP_ELEMS, NULL, NULL, 0, num_steps, sums,
+                        rows > TILE, m0 == c0);
           store_block(sums, (int)rows, y + m0 * n_size, n_size, p * PANEL, bias, scales);
         }
       }
