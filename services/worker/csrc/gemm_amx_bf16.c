@@ -16,8 +16,10 @@
  *
  * Weight-only int8 (`gemm_amx_int8w`): the same panels in int8 (half the bytes to stream), widened
  * to bfloat16 (exact) a step ahead of their products, and scaled per output column on the float32
- * sums; past 32 rows the widened panel stays in L2 for the other row blocks. Built only where the compiler targets AMX-BF16; elsewhere `gemm_amx_available`
- * returns 0 and nothing here is called. */
+ * sums; past 32 rows the widened panel stays in L2 for the other row blocks.
+ *
+ * Built only where the compiler targets AMX-BF16; elsewhere `gemm_amx_available` returns 0 and
+ * nothing here is called. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,9 +28,10 @@
 #include <immintrin.h>
 #include <sys/syscall.h>
 
-#include "amx_tiles.h"
 #include <omp.h>
 #include <unistd.h>
+
+#include "amx_tiles.h"
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18

@@ -161,10 +161,8 @@ class CpuPlatform(Platform):
             if self.amx_gemm is not None and self.w8a8 is None and self.dtype == torch.bfloat16:
                 num_amx = use_amx_int8(model, self.amx_gemm, self.amx_rows, self.weight_memory)
                 if num_amx:
-                    rows = sorted({m.int8_weight.amx_weight.max_rows for m in model.modules()
-                                   if isinstance(m, LinearBase) and m.int8_weight is not None
-                                   and m.int8_weight.amx_weight is not None})
-                    limit = f"{rows[0]}" if len(rows) == 1 else f"{rows[0]}-{rows[-1]} (by shape)"
+                    limit = _row_limits(m.int8_weight.amx_weight for m in model.modules()
+                                        if isinstance(m, LinearBase) and m.int8_weight is not None)
                     summary += f", {num_amx} in int8 panels on the AMX GEMM up to {limit} rows"
             return summary
         num_packed = num_copied = num_gemv = num_amx = 0
@@ -181,19 +179,21 @@ class CpuPlatform(Platform):
         if isinstance(self.weight_memory, HugePageArena) and self.weight_memory.num_bytes:
             summary += f", {self.weight_memory.num_bytes / 2**20:.0f} MiB of packed decode weights on huge pages"
         if num_amx:
-            rows = sorted({m.amx_weight.max_rows for m in model.modules()
-                           if isinstance(m, LinearBase) and m.amx_weight is not None})
-            limit = f"{rows[0]}" if len(rows) == 1 else f"{rows[0]}-{rows[-1]} (by shape)"
+            limit = _row_limits(m.amx_weight for m in model.modules() if isinstance(m, LinearBase))
             summary += f", {num_amx} on the AMX GEMM up to {limit} rows"
         if num_gemv and self.gemv.has_tiles:
-            rows = sorted({m.gemv_tiles.max_rows for m in model.modules()
-                           if isinstance(m, LinearBase) and m.gemv_tiles is not None})
-            limit = f"{rows[0]}" if len(rows) == 1 else f"{rows[0]}-{rows[-1]} (by shape)"
+            limit = _row_limits(m.gemv_tiles for m in model.modules() if isinstance(m, LinearBase))
             return summary + f", {num_gemv} in column tiles up to {limit} rows"
         return summary + (f", {num_gemv} on the GEMV up to {MAX_GEMV_ROWS} rows" if num_gemv else "")
 
     def kv_cache_bytes(self, model: nn.Module, layout: KVCacheLayout, config: RunnerConfig) -> int:
         return self.kv_cache_budget_bytes
+
+
+def _row_limits(packed_weights) -> str:
+    """The row limits of the packed weights given (None: a layer without one), for the load log."""
+    rows = sorted({w.max_rows for w in packed_weights if w is not None})
+    return f"{rows[0]}" if len(rows) == 1 else f"{rows[0]}-{rows[-1]} (by shape)"
 
 
 def _backend_and_ops(kernels: ctypes.CDLL | None, dtype: torch.dtype, heads: AttentionHeads,
