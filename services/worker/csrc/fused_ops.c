@@ -186,7 +186,8 @@ int silu_and_mul_bf16_native(void) { return BF16_ROUND_NATIVE; }
   }
 
 #define SILU16_F32(p) silu16(load_f3216(p))
-#define SILU16_BF16(p) round_bf16_ftz16(silu16(load_bf1616(p)))
+
+static inline v16f silu_rounded_bf1616(const uint16_t *gates) { return round_bf16_ftz16(silu16(load_bf1616(gates))); }
 
 /* A bfloat16 gate takes one of 65,536 values, so where the build has AVX-512 gathers the 16-lane
  * loop looks each gate's rounded SiLU up in a table (128 KB, filled once by the same vector code
@@ -202,7 +203,7 @@ __attribute__((constructor)) static void fill_silu_bf16_table(void) {
   for (int first = 0; first < 65536; first += 16) {
     uint16_t gates[16];
     for (int j = 0; j < 16; j++) gates[j] = (uint16_t)(first + j);
-    store_bf16_ftz16(silu_bf16_table + first, SILU16_BF16(gates)); /* already a bfloat16 value */
+    store_bf16_ftz16(silu_bf16_table + first, silu_rounded_bf1616(gates)); /* already a bfloat16 value */
   }
 }
 
@@ -213,8 +214,9 @@ static inline v16f silu_from_table16(const uint16_t *gates) {
   memcpy(&v, &bits, sizeof v);
   return v;
 }
-#undef SILU16_BF16
 #define SILU16_BF16(p) silu_from_table16(p)
+#else
+#define SILU16_BF16(p) silu_rounded_bf1616(p)
 #endif
 
 /* qkv [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]: q and k heads rotated in place by
