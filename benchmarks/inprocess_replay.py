@@ -3,7 +3,8 @@ no gRPC, no HTTP, no frontend; a closed loop of `--concurrency` requests.
 
     .venv/bin/python -m benchmarks.inprocess_replay [--concurrency 32] [--num-requests 32] [--first-request 0]
         [--dtype bfloat16] [--quantization none|int8] [--kv-cache-dtype auto|int8]
-        [--cpu-gemm-tiles true|false] [--cpu-fused-decode true|false] [--out F]
+        [--cpu-gemm-tiles true|false] [--cpu-fused-decode true|false] [--cpu-greedy-head-screen true|false]
+        [--out F]
 
 What it separates: the worker's own step time (prefill steps, decode-only steps) from what serving
 over HTTP adds (compare `out tok/s` with the harness's row at the same level and requests). Prints
@@ -85,6 +86,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="the worker's --cpu-gemm-tiles (bfloat16 tiles; W8A8's int8 tiles)")
     parser.add_argument("--cpu-fused-decode", default="true", choices=["true", "false"],
                         help="the worker's --cpu-fused-decode (a decode step's layers in one call)")
+    parser.add_argument("--cpu-greedy-head-screen", default="true", choices=["true", "false"],
+                        help="the worker's --cpu-greedy-head-screen (greedy steps read the LM head in int8)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "inprocess_replay.json"))
     args = parser.parse_args(argv)
     tokenizer = load_default_tokenizer()
@@ -93,13 +96,16 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = [(prompt_ids(tokenizer, r.messages), r.max_tokens) for r in requests]
     worker = Worker(WorkerConfig(dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                                  kv_cache_bytes=2 * 2**30, cpu_gemm_tiles=args.cpu_gemm_tiles == "true",
-                                 cpu_fused_decode=args.cpu_fused_decode == "true"))
+                                 cpu_fused_decode=args.cpu_fused_decode == "true",
+                                 cpu_greedy_head_screen=args.cpu_greedy_head_screen == "true"))
     worker.load_model()
     worker.initialize_kv_cache(0)
     summary = replay(worker, prompts, args.concurrency) | {"first_request": args.first_request,
                                                            "dtype": args.dtype, "quantization": args.quantization,
                                                            "cpu_gemm_tiles": args.cpu_gemm_tiles == "true",
-                                                           "cpu_fused_decode": args.cpu_fused_decode == "true"}
+                                                           "cpu_fused_decode": args.cpu_fused_decode == "true",
+                                                           "cpu_greedy_head_screen":
+                                                               args.cpu_greedy_head_screen == "true"}
     print(f"c={summary['concurrency']}, {summary['num_requests']} requests, {args.dtype} {args.quantization}: "
           f"{summary['output_tok_s']:.1f} out tok/s over {summary['duration_s']:.1f} s")
     for kind in ("prefill", "decode"):

@@ -75,6 +75,10 @@ class WorkerConfig:
     # The packed weights decode steps stream (column tiles, AMX GEMM) on transparent huge pages
     # (layers/weight_memory.py), where the kernel allows them.
     cpu_huge_pages: bool = True
+    # bfloat16 weights, no --quantization: steps whose rows are all greedy (no logprobs, no logits
+    # processors) take their tokens from an int8 copy of the LM head, checked on the bfloat16 weight
+    # where the int8 error bound leaves a token in reach (layers/greedy_head.py); the same tokens.
+    cpu_greedy_head_screen: bool = True
     # none; int8: weight-only int8 matmul weights with per-channel scales (CPU only; layers/int8_linear.py);
     # w8a8: the same weights, and matmuls quantize their activations to int8 too (layers/w8a8.py).
     quantization: str = "none"
@@ -209,6 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
              help="the packed weights decode steps stream (column tiles, the AMX GEMM) on transparent huge pages "
                   "where the kernel allows them (always or madvise): no TLB miss every 4 KiB (30 layers' matmuls "
                   "at 40 rows 1.13x on a 2-core Sapphire Rapids VM); false keeps them on small pages")
+    add_flag(parser, "--cpu-greedy-head-screen", type=bool, default=True,
+             help="bfloat16 weights: all-greedy steps (no logprobs or logits processors) read the LM head in "
+                  "int8 and compute again from the bfloat16 head only the tokens the int8 error bound leaves in "
+                  "reach of the maximum: the same tokens, half the head's bytes; false reads the whole bfloat16 head")
     add_flag(parser, "--cpu-fused-decode", type=bool, default=True,
              help="decode steps of a few rows (all matmuls on the GEMVs above) run every decoder layer in one "
                   "compiled call instead of nine kernel calls a layer from Python (the same kernels and results)")
@@ -281,6 +289,7 @@ def config_from_args(argv: list[str] | None = None) -> WorkerConfig:
         cpu_amx_gemm=args.cpu_amx_gemm,
         cpu_amx_attention=args.cpu_amx_attention,
         cpu_huge_pages=args.cpu_huge_pages,
+        cpu_greedy_head_screen=args.cpu_greedy_head_screen,
         quantization=args.quantization,
         w8a8_group_size=args.w8a8_group_size,
         kv_cache_dtype=args.kv_cache_dtype,

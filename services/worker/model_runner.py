@@ -36,8 +36,8 @@ from services.worker.input_batch import CachedRequestState, InputBatch
 from services.common.grammars import GrammarError
 from services.worker.input_checks import RequestInputError, check_block_ids, check_new_request, check_tokens
 from services.worker.kv_cache import KVCacheLayout, allocate_kv_caches
-from services.worker.sampler import Sampler, TorchSampler
-from services.worker.sampling_metadata import build_sampling_metadata
+from services.worker.sampler import Sampler, TorchSampler, argmax_only
+from services.worker.sampling_metadata import SamplingMetadata, build_sampling_metadata
 from services.worker.structured_output.grammar_compiler import GrammarCompiler
 from services.worker.parallel.process_group import CollectiveError
 from services.worker.structured_output.grammar_state import GrammarBitmask, GrammarState
@@ -140,17 +140,27 @@ class ModelRunner:
                                      failed_grammars=failed_grammars)
         prepared = time.perf_counter_ns()
         hidden_states = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
-        logits = None
+        logits = greedy = metadata = None
         if len(inputs.sample_indices):
-            # Tensor parallel: every rank computes its vocabulary slice; None but on the sampling rank.
-            logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
+            hidden_states = hidden_states[inputs.logits_indices]
+            if self.model.has_greedy_head_screen and self.tp_group is None and not self.input_batch.num_grammar_rows:
+                metadata = self._sampling_metadata(inputs)
+                greedy = self._greedy_tokens(metadata, hidden_states)
+            if greedy is None:
+                # Tensor parallel: every rank computes its vocabulary slice; None but on the sampling rank.
+                logits = self.model.compute_logits(hidden_states)
         forwarded = time.perf_counter_ns()
         sampled = [[] for _ in inputs.req_ids]
         logprobs = [None] * len(inputs.req_ids)
-        if self.tp_group is not None and len(inputs.sample_indices):
+        if greedy is not None:
+            for i, row, token_id in zip(inputs.sample_indices.tolist(), inputs.rows[inputs.sample_indices].tolist(),
+                                        greedy, strict=True):
+                self.input_batch.append_token(row, token_id)
+                sampled[i] = [token_id]
+        elif self.tp_group is not None and len(inputs.sample_indices):
             self._sample_across_ranks(inputs, logits, sampled, logprobs, failed)
         elif logits is not None:
-            self._sample(inputs, logits, sampled, logprobs, failed)
+            self._sample(inputs, logits, sampled, logprobs, failed, metadata)
         done = time.perf_counter_ns()
         compiled, failed_grammars = self.grammar_compiler.take_results()
         return ModelRunnerOutput(
@@ -324,10 +334,23 @@ class ModelRunner:
             logits_indices=torch.from_numpy(query_start_loc[1:][sample_indices] - 1).to(self.device),
         )
 
+    def _greedy_tokens(self, metadata: SamplingMetadata, hidden_states: torch.Tensor) -> list[int] | None:
+        """The step's tokens from the model's greedy head screen (layers/greedy_head.py) where every
+        row takes the argmax and nothing else reads the logits; None: the logits are needed."""
+        if not argmax_only(metadata):
+            return None
+        tokens = self.model.compute_greedy_tokens(hidden_states)
+        return None if tokens is None else tokens.tolist()
+
+    def _sampling_metadata(self, inputs: ModelInputs) -> SamplingMetadata:
+        return build_sampling_metadata(self.input_batch, inputs.rows[inputs.sample_indices], self.eos_token_ids,
+                                       self.vocab_size, self.device)
+
     def _sample(self, inputs: ModelInputs, logits: torch.Tensor, sampled: list, logprobs: list,
-                failed: dict[str, str]) -> None:
+                failed: dict[str, str], metadata: SamplingMetadata | None = None) -> None:
         rows = inputs.rows[inputs.sample_indices]
-        metadata = build_sampling_metadata(self.input_batch, rows, self.eos_token_ids, self.vocab_size, self.device)
+        if metadata is None:
+            metadata = self._sampling_metadata(inputs)
         grammars = None
         if self.input_batch.num_grammar_rows:
             grammars = [self.input_batch.requests[row].grammar for row in rows.tolist()]

@@ -56,7 +56,7 @@ class TorchSampler(Sampler):
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         if (self._greedy_argmax is not None and logits.dtype == torch.bfloat16 and logits.is_contiguous()
-                and _argmax_only(metadata)):
+                and argmax_only(metadata)):
             # The float32 widening is exact, so its argmax is this one; skipping it saves the copy.
             return SamplerOutput(self._greedy_argmax(logits).tolist(), [None] * logits.shape[0])
         logits = logits.float()
@@ -140,7 +140,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
 
 
-def _argmax_only(metadata: SamplingMetadata) -> bool:
+def argmax_only(metadata: SamplingMetadata) -> bool:
     """Every row greedy, and no logprobs or logits processor reads or changes the logits."""
     return (metadata.all_greedy and metadata.max_num_logprobs is None and metadata.logit_bias is None
             and metadata.banned is None and metadata.penalties is None)

@@ -50,8 +50,10 @@ class _Recorder:
         self.hidden: list[torch.Tensor] = []
         self.stack_rows: list[int] = []
         model = runner.model
-        compute_logits = model.compute_logits
+        compute_logits, greedy_tokens = model.compute_logits, model.compute_greedy_tokens
         model.compute_logits = lambda h: (self.hidden.append(h.clone()), compute_logits(h))[1]
+        # bfloat16 greedy steps take the head's screen (layers/greedy_head.py) instead of the logits.
+        model.compute_greedy_tokens = lambda h: (self.hidden.append(h.clone()), greedy_tokens(h))[1]
         if model.model.decode_stack is not None:
             model.model.decode_stack = _CountingStack(model.model.decode_stack, self.stack_rows)
 

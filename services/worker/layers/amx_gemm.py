@@ -190,13 +190,21 @@ def use_amx_int8(model: nn.Module, gemm: AmxGemm, selector: AmxRowSelector,
         int8 = layer.int8_weight if isinstance(layer, LinearBase) else None
         if int8 is None or int8.w8a8 is not None or not AmxGemm.supports_int8(int8.qweight, layer.bias):
             continue
-        gemv_rows, max_rows = selector.int8_rows(int8, gemm)
-        if max_rows > gemv_rows:
-            int8.max_gemv_rows = gemv_rows
-            int8.amx_gemm = gemm
-            int8.amx_weight = gemm.pack_int8(int8.qweight, int8.scales, max_rows, allocate)
-            num_packed += 1
+        num_packed += use_amx_int8_weight(int8, gemm, selector, allocate)
     return num_packed
+
+
+def use_amx_int8_weight(int8: Int8Weight, gemm: AmxGemm, selector: AmxRowSelector,
+                        allocate: WeightAllocator = plain_weight_memory) -> bool:
+    """Packs one weight-only int8 weight (without bias) into AMX panels where the kernel wins above
+    its GEMV's (possibly lowered) rows; returns whether it did."""
+    gemv_rows, max_rows = selector.int8_rows(int8, gemm)
+    if max_rows <= gemv_rows:
+        return False
+    int8.max_gemv_rows = gemv_rows
+    int8.amx_gemm = gemm
+    int8.amx_weight = gemm.pack_int8(int8.qweight, int8.scales, max_rows, allocate)
+    return True
 
 
 def use_amx_gemm(model: nn.Module, gemm: AmxGemm, selector: AmxRowSelector,

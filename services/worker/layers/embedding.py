@@ -10,6 +10,7 @@ from torch import nn
 from services.worker.layers.linear import LinearBase
 
 if TYPE_CHECKING:
+    from services.worker.layers.greedy_head import GreedyHeadScreen
     from services.worker.layers.int8_linear import Int8Weight
 
 
@@ -40,3 +41,5 @@ class LMHead(LinearBase):
         self.is_tied = tied_to is not None
         self.weight = tied_to.weight if tied_to is not None else nn.Parameter(torch.empty(vocab_size, hidden_size))
         self.bias = None
+        # bfloat16 weights: greedy steps' tokens from an int8 copy and a check on this weight.
+        self.greedy_screen: GreedyHeadScreen | None = None

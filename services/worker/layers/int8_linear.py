@@ -230,6 +230,19 @@ class Int8PathSelector:
         return best_time(fn, self.num_repeats)
 
 
+def weight_only_int8(qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, native_bf16: bool,
+                     selector: Int8PathSelector, gemv: Int8Gemv | None = None) -> Int8Weight:
+    """An `Int8Weight` on the weight-only paths (no W8A8), as `quantize_model` sets each weight up:
+    the GEMV where it supports the weight, up to its measured rows, int8pack_mm or the widening
+    GEMM above."""
+    int8 = Int8Weight(qweight, scales, native_bf16=native_bf16)
+    int8.max_int8pack_rows = selector.max_int8pack_rows(int8, dtype)
+    int8.scales_in(dtype)
+    if gemv is not None and int8.use_gemv(gemv):
+        int8.max_gemv_rows = selector.max_gemv_rows(int8, dtype)
+    return int8
+
+
 def quantize_model(model: nn.Module, dtype: torch.dtype, native_bf16: bool,
                    selector: Int8PathSelector | None = None, gemv: Int8Gemv | None = None,
                    w8a8: W8A8Kernels | None = None) -> str:

@@ -144,6 +144,15 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_states)
 
+    @property
+    def has_greedy_head_screen(self) -> bool:
+        return self.lm_head.greedy_screen is not None
+
+    def compute_greedy_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """Each row's argmax of `compute_logits` from the head's greedy screen (layers/greedy_head.py);
+        None where the screen leaves it to the full head."""
+        return self.lm_head.greedy_screen(hidden_states)
+
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 

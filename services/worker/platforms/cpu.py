@@ -37,11 +37,13 @@ from services.worker.cpu_argmax import CpuGreedyArgmax
 from services.worker.cpu_bitmask import CpuTokenBitmask
 from services.worker.cpu_kernels import load_cpu_kernels
 from services.worker.kv_cache import KVCacheLayout
-from services.worker.layers.amx_gemm import AmxGemm, AmxRowSelector, use_amx_gemm, use_amx_int8
+from services.worker.layers.amx_gemm import AmxGemm, AmxRowSelector, use_amx_gemm, use_amx_int8, use_amx_int8_weight
+from services.worker.layers.embedding import LMHead
+from services.worker.layers.greedy_head import GreedyHeadScreen
 from services.worker.layers.fused_ops import CpuLayerOps, FusedOps
 from services.worker.layers.gemv import Gemv, use_gemv
 from services.worker.layers.int8_gemv import Int8Gemv
-from services.worker.layers.int8_linear import Int8PathSelector, quantize_model
+from services.worker.layers.int8_linear import Int8PathSelector, Int8Weight, quantize_model, weight_only_int8
 from services.worker.layers.layer_ops import LayerOps, TorchLayerOps
 from services.worker.layers.linear import (MAX_GEMV_ROWS, LinearBase, add_float32_copies, can_prepack,
                                           prepack_cpu_weights)
@@ -75,7 +77,8 @@ class CpuPlatform(Platform):
                  int8_selector: Int8PathSelector | None = None, int8_gemv: Int8Gemv | None = None,
                  w8a8: W8A8Kernels | None = None, decode_layers: DecodeLayersKernel | None = None,
                  tile_rows: TileRowSelector | None = None, amx_gemm: AmxGemm | None = None,
-                 amx_rows: AmxRowSelector | None = None, weight_memory: WeightAllocator = plain_weight_memory):
+                 amx_rows: AmxRowSelector | None = None, weight_memory: WeightAllocator = plain_weight_memory,
+                 greedy_screen_library: ctypes.CDLL | None = None):
         """`float32_copy`: 16-bit weights also get a float32 packed copy for batches, unless the CPU
         multiplies bfloat16 natively. `kv_cache_bytes`: the KV cache budget (default: the flag's).
         `native_bf16`: None asks this CPU (`cpu_has_native_bf16`). `quantization`: none or int8,
@@ -87,7 +90,9 @@ class CpuPlatform(Platform):
         `tile_rows`: each bfloat16 weight shape's row limit on the column tiles (None: the GEMV's
         `max_tile_rows` for all). `amx_gemm`: the AMX-BF16 GEMM for bfloat16 matmuls above the tiles'
         rows (None: oneDNN takes them), up to each shape's limit from `amx_rows`. `weight_memory`: where
-        the column tiles' and the AMX GEMM's packed weights live (layers/weight_memory.py)."""
+        the column tiles' and the AMX GEMM's packed weights live (layers/weight_memory.py).
+        `greedy_screen_library`: the kernels for bfloat16 LM heads' greedy screens (layers/greedy_head.py;
+        None: no screen)."""
         if quantization == "w8a8" and w8a8 is None:
             raise ValueError("--quantization w8a8 needs the compiled CPU kernels, which did not build or load "
                              "here (see the log above); use --quantization int8")
@@ -109,6 +114,8 @@ class CpuPlatform(Platform):
         self.amx_gemm = amx_gemm
         self.amx_rows = amx_rows or AmxRowSelector()
         self.weight_memory = weight_memory
+        self.greedy_screen_library = greedy_screen_library if dtype == torch.bfloat16 and quantization == "none" \
+            else None
 
     @classmethod
     def from_config(cls, config: WorkerConfig, dtype: torch.dtype, heads: AttentionHeads) -> CpuPlatform:
@@ -152,7 +159,9 @@ class CpuPlatform(Platform):
                    int8_selector=Int8PathSelector(cache_path=_cache_dir(config) / INT8_THRESHOLDS_FILE), w8a8=w8a8,
                    amx_gemm=amx_gemm, amx_rows=AmxRowSelector(cache_path=_cache_dir(config) / AMX_ROWS_FILE),
                    decode_layers=DecodeLayersKernel(kernels) if gemv_on and config.cpu_fused_decode else None,
-                   weight_memory=weight_allocator(config.cpu_huge_pages))
+                   weight_memory=weight_allocator(config.cpu_huge_pages),
+                   greedy_screen_library=kernels if config.cpu_greedy_head_screen and config.tensor_parallel_size == 1
+                   else None)
 
     def process_weights_after_loading(self, model: nn.Module) -> str:
         if self.quantization in INT8_WEIGHT_QUANTIZATIONS:  # int8 weights are neither packed nor copied
@@ -166,6 +175,7 @@ class CpuPlatform(Platform):
                     summary += f", {num_amx} in int8 panels on the AMX GEMM up to {limit} rows"
             return summary
         num_packed = num_copied = num_gemv = num_amx = 0
+        screens = self._add_greedy_head_screens(model)  # before packing: the screen reads the plain weight
         if self.gemv is not None and self.dtype == torch.bfloat16:  # before packing: it keeps plain weights
             num_gemv = use_gemv(model, self.gemv, self.tile_rows, self.weight_memory)
         if self.amx_gemm is not None and self.dtype == torch.bfloat16:  # after the tiles: it starts above them
@@ -181,10 +191,30 @@ class CpuPlatform(Platform):
         if num_amx:
             limit = _row_limits(m.amx_weight for m in model.modules() if isinstance(m, LinearBase))
             summary += f", {num_amx} on the AMX GEMM up to {limit} rows"
+        summary += screens
         if num_gemv and self.gemv.has_tiles:
             limit = _row_limits(m.gemv_tiles for m in model.modules() if isinstance(m, LinearBase))
             return summary + f", {num_gemv} in column tiles up to {limit} rows"
         return summary + (f", {num_gemv} on the GEMV up to {MAX_GEMV_ROWS} rows" if num_gemv else "")
+
+    def _add_greedy_head_screens(self, model: nn.Module) -> str:
+        """Gives each bfloat16 LM head its greedy screen (an int8 copy on the weight-only int8 kernels);
+        says so for the load log."""
+        if self.greedy_screen_library is None:
+            return ""
+        num_screens = 0
+        for head in model.modules():
+            if not isinstance(head, LMHead) or head.weight.dtype != torch.bfloat16 or head.bias is not None:
+                continue
+            head.greedy_screen = GreedyHeadScreen.build(self.greedy_screen_library, head.weight, self._screen_int8)
+            num_screens += 1
+        return f", {num_screens} LM head with an int8 greedy screen" if num_screens else ""
+
+    def _screen_int8(self, qweight: torch.Tensor, scales: torch.Tensor) -> Int8Weight:
+        int8 = weight_only_int8(qweight, scales, self.dtype, self.native_bf16, self.int8_selector, self.int8_gemv)
+        if self.amx_gemm is not None and AmxGemm.supports_int8(int8.qweight, None):
+            use_amx_int8_weight(int8, self.amx_gemm, self.amx_rows, self.weight_memory)
+        return int8
 
     def kv_cache_bytes(self, model: nn.Module, layout: KVCacheLayout, config: RunnerConfig) -> int:
         return self.kv_cache_budget_bytes

@@ -1,0 +1,122 @@
+"""The greedy head screen (layers/greedy_head.py, csrc/greedy_screen.c): an int8 copy of a bfloat16
+LM head picks the tokens in reach of the maximum and the bfloat16 weight decides among them. It must
+give the full head's argmax (its first maximum of the bfloat16 logits) on ties, near ties and
+vocabularies with tails, leave non-finite rows to the full head, and serve a bfloat16 model's greedy
+steps with the same tokens as the full head, and only those steps."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.common.messages import SamplingParams
+from services.worker.config import WorkerConfig
+from services.worker.layers.greedy_head import GreedyHeadScreen, error_bounds, quantize_bf16_scales
+from services.worker.layers.int8_linear import Int8Weight
+from tests.worker.harness import VOCAB_SIZE, MiniScheduler
+from tests.worker.kernel_builds import MARCHES, library_for
+
+HIDDEN = 96
+
+
+def _plain_int8(qweight: torch.Tensor, scales: torch.Tensor) -> Int8Weight:
+    return Int8Weight(qweight, scales, native_bf16=True)  # int8pack_mm or the widening GEMM
+
+
+@pytest.fixture(scope="module", params=MARCHES)
+def library(request, kernel_cache):
+    return library_for(request.param, kernel_cache)
+
+
+def _full_head_tokens(hidden: torch.Tensor, weight: torch.Tensor) -> list[int]:
+    """The full head's greedy tokens: bfloat16 logits from float64 sums, their first maximum."""
+    logits = (hidden.double() @ weight.double().T).to(torch.bfloat16)
+    return logits.float().max(dim=-1).indices.tolist()
+
+
+def _weight(vocab: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(vocab, HIDDEN, generator=gen) * 0.05).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("vocab", (16, 300, 4133, 49152))
+def test_random_rows_get_the_full_heads_token(library, vocab):
+    weight = _weight(vocab, vocab)
+    screen = GreedyHeadScreen.build(library, weight, _plain_int8)
+    gen = torch.Generator().manual_seed(1)
+    hidden = (torch.randn(40, HIDDEN, generator=gen) * 3).to(torch.bfloat16)
+    tokens = screen(hidden)
+    assert tokens is not None and tokens.tolist() == _full_head_tokens(hidden, weight)
+    # Some tokens were computed again, and far fewer than the vocabulary (the screen screens).
+    assert 40 <= screen.num_candidates < 40 * max(vocab // 4, 16)
+
+
+def test_ties_go_to_the_first_token_and_near_ties_are_decided_exactly(library):
+    vocab = 2000
+    weight = _weight(vocab, 3)
+    gen = torch.Generator().manual_seed(4)
+    hidden = (torch.randn(6, HIDDEN, generator=gen) * 3).to(torch.bfloat16)
+    winners = _full_head_tokens(hidden, weight)
+    # Exact copies of row 0's winner, before and after it: equal logits, the first copy wins.
+    weight[5] = weight[winners[0]]
+    weight[1990] = weight[winners[0]]
+    # Row 1: a token whose weight differs from the winner's by one bfloat16 step in one value, so
+    # their logits differ by less than the int8 error: only the bfloat16 weight can tell them apart.
+    near = weight[winners[1]].clone()
+    near.view(torch.int16)[int(hidden[1].float().abs().argmax())] += 1  # one bfloat16 step larger in size
+    weight[7] = near
+    screen = GreedyHeadScreen.build(library, weight, _plain_int8)
+    expected = _full_head_tokens(hidden, weight)
+    assert expected[0] == 5
+    assert screen(hidden).tolist() == expected
+
+
+def test_a_row_that_is_not_finite_leaves_the_step_to_the_full_head(library):
+    weight = _weight(500, 5)
+    screen = GreedyHeadScreen.build(library, weight, _plain_int8)
+    hidden = torch.randn(3, HIDDEN).to(torch.bfloat16)
+    for bad in (float("nan"), float("inf")):
+        hidden[1, 7] = bad
+        assert screen(hidden) is None
+    with pytest.raises(ValueError):
+        screen(torch.randn(2, HIDDEN + 1).to(torch.bfloat16))
+
+
+def test_the_bounds_cover_the_int8_copys_error():
+    weight = _weight(3000, 6)
+    qweight, scales = quantize_bf16_scales(weight)
+    assert torch.equal(scales, scales.bfloat16().float())  # bfloat16 holds them exactly
+    assert (scales * 127 >= weight.float().abs().amax(dim=1)).all()  # no weight clipped
+    bounds = error_bounds(weight, qweight, scales)
+    hidden = torch.randn(50, HIDDEN, dtype=torch.float64)
+    exact = hidden @ weight.double().T
+    approx = hidden @ (qweight.double() * scales.double()[:, None]).T
+    assert ((exact - approx).abs() <= hidden.norm(dim=1, keepdim=True) * bounds.double()).all()
+
+
+def test_a_bfloat16_models_greedy_steps_take_the_screen_with_the_same_tokens(tiny_llama_dir):
+    from tests.worker.test_decode_stack import _runner
+
+    def run(screen: bool, params: SamplingParams | None = None) -> tuple[list[list[int]], int, int]:
+        runner = _runner(tiny_llama_dir, torch.bfloat16, "none", fused=True)
+        head = runner.model.lm_head
+        assert head.greedy_screen is not None and WorkerConfig().cpu_greedy_head_screen
+        if not screen:
+            head.greedy_screen = None
+        calls = {"screen": 0, "logits": 0}
+        greedy, logits = runner.model.compute_greedy_tokens, runner.model.compute_logits
+        runner.model.compute_greedy_tokens = lambda h: (calls.__setitem__("screen", calls["screen"] + 1), greedy(h))[1]
+        runner.model.compute_logits = lambda h: (calls.__setitem__("logits", calls["logits"] + 1), logits(h))[1]
+        scheduler = MiniScheduler(block_size=4, token_budget=32)
+        gen = torch.Generator().manual_seed(2)
+        for i, n in enumerate((5, 11, 3, 17)):
+            scheduler.add(f"r{i}", torch.randint(3, VOCAB_SIZE, (n,), generator=gen).tolist(), 10, params)
+        scheduler.run(runner)
+        return [scheduler.outputs(f"r{i}") for i in range(4)], calls["screen"], calls["logits"]
+
+    screened, num_screened, num_full = run(True)
+    full, _, num_full_off = run(False)
+    assert screened == full
+    assert num_screened > 0 and num_full == 0 and num_full_off > 0
+    # Logprobs read the logits: such steps take the full head.
+    _, num_screened, num_full = run(True, SamplingParams(temperature=0, max_tokens=10, logprobs=2))
+    assert num_screened == 0 and num_full > 0
