@@ -143,7 +143,7 @@ class ModelRunner:
         logits = greedy = metadata = None
         if len(inputs.sample_indices):
             hidden_states = hidden_states[inputs.logits_indices]
-            if self.model.has_greedy_head_screen and self.tp_group is None and not self.input_batch.num_grammar_rows:
+            if self.tp_group is None and self.model.has_greedy_head_screen and not self.input_batch.num_grammar_rows:
                 metadata = self._sampling_metadata(inputs)
                 greedy = self._greedy_tokens(metadata, hidden_states)
             if greedy is None:

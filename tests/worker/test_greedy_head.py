@@ -10,12 +10,13 @@ import torch
 
 from services.common.messages import SamplingParams
 from services.worker.config import WorkerConfig
-from services.worker.layers.greedy_head import GreedyHeadScreen, error_bounds, quantize_bf16_scales
+from services.worker.layers.greedy_head import AmxInt8Head, GreedyHeadScreen, error_bounds, quantize_bf16_scales
 from services.worker.layers.int8_linear import Int8Weight
 from tests.worker.harness import VOCAB_SIZE, MiniScheduler
 from tests.worker.kernel_builds import MARCHES, library_for
 
-HIDDEN = 96
+HIDDEN = 96  # the weight-only int8 kernels' screen (not a multiple of 64)
+AMX_HIDDEN = 128  # where the library has AMX-INT8: head_int8_amx.c's screen
 
 
 def _plain_int8(qweight: torch.Tensor, scales: torch.Tensor) -> Int8Weight:
@@ -27,34 +28,40 @@ def library(request, kernel_cache):
     return library_for(request.param, kernel_cache)
 
 
+@pytest.fixture(params=[HIDDEN, AMX_HIDDEN], ids=["weight-only", "amx-or-weight-only"])
+def hidden_size(request):
+    return request.param
+
+
 def _full_head_tokens(hidden: torch.Tensor, weight: torch.Tensor) -> list[int]:
     """The full head's greedy tokens: bfloat16 logits from float64 sums, their first maximum."""
     logits = (hidden.double() @ weight.double().T).to(torch.bfloat16)
     return logits.float().max(dim=-1).indices.tolist()
 
 
-def _weight(vocab: int, seed: int) -> torch.Tensor:
+def _weight(vocab: int, seed: int, hidden: int = HIDDEN) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(vocab, HIDDEN, generator=gen) * 0.05).to(torch.bfloat16)
+    return (torch.randn(vocab, hidden, generator=gen) * 0.05).to(torch.bfloat16)
 
 
 @pytest.mark.parametrize("vocab", (16, 300, 4133, 49152))
-def test_random_rows_get_the_full_heads_token(library, vocab):
-    weight = _weight(vocab, vocab)
+def test_random_rows_get_the_full_heads_token(library, vocab, hidden_size):
+    weight = _weight(vocab, vocab, hidden_size)
     screen = GreedyHeadScreen.build(library, weight, _plain_int8)
     gen = torch.Generator().manual_seed(1)
-    hidden = (torch.randn(40, HIDDEN, generator=gen) * 3).to(torch.bfloat16)
+    hidden = (torch.randn(40, hidden_size, generator=gen) * 3).to(torch.bfloat16)
+    hidden[3, 5] = 40.0  # an outlier, as final hidden states hold
     tokens = screen(hidden)
     assert tokens is not None and tokens.tolist() == _full_head_tokens(hidden, weight)
     # Some tokens were computed again, and far fewer than the vocabulary (the screen screens).
     assert 40 <= screen.num_candidates < 40 * max(vocab // 4, 16)
 
 
-def test_ties_go_to_the_first_token_and_near_ties_are_decided_exactly(library):
+def test_ties_go_to_the_first_token_and_near_ties_are_decided_exactly(library, hidden_size):
     vocab = 2000
-    weight = _weight(vocab, 3)
+    weight = _weight(vocab, 3, hidden_size)
     gen = torch.Generator().manual_seed(4)
-    hidden = (torch.randn(6, HIDDEN, generator=gen) * 3).to(torch.bfloat16)
+    hidden = (torch.randn(6, hidden_size, generator=gen) * 3).to(torch.bfloat16)
     winners = _full_head_tokens(hidden, weight)
     # Exact copies of row 0's winner, before and after it: equal logits, the first copy wins.
     weight[5] = weight[winners[0]]
@@ -70,15 +77,15 @@ def test_ties_go_to_the_first_token_and_near_ties_are_decided_exactly(library):
     assert screen(hidden).tolist() == expected
 
 
-def test_a_row_that_is_not_finite_leaves_the_step_to_the_full_head(library):
-    weight = _weight(500, 5)
+def test_a_row_that_is_not_finite_leaves_the_step_to_the_full_head(library, hidden_size):
+    weight = _weight(500, 5, hidden_size)
     screen = GreedyHeadScreen.build(library, weight, _plain_int8)
-    hidden = torch.randn(3, HIDDEN).to(torch.bfloat16)
+    hidden = torch.randn(3, hidden_size).to(torch.bfloat16)
     for bad in (float("nan"), float("inf")):
         hidden[1, 7] = bad
         assert screen(hidden) is None
     with pytest.raises(ValueError):
-        screen(torch.randn(2, HIDDEN + 1).to(torch.bfloat16))
+        screen(torch.randn(2, hidden_size + 1).to(torch.bfloat16))
 
 
 def test_the_bounds_cover_the_int8_copys_error():
@@ -86,11 +93,33 @@ def test_the_bounds_cover_the_int8_copys_error():
     qweight, scales = quantize_bf16_scales(weight)
     assert torch.equal(scales, scales.bfloat16().float())  # bfloat16 holds them exactly
     assert (scales * 127 >= weight.float().abs().amax(dim=1)).all()  # no weight clipped
-    bounds = error_bounds(weight, qweight, scales)
+    bounds, norms = error_bounds(weight, qweight, scales)
     hidden = torch.randn(50, HIDDEN, dtype=torch.float64)
     exact = hidden @ weight.double().T
     approx = hidden @ (qweight.double() * scales.double()[:, None]).T
     assert ((exact - approx).abs() <= hidden.norm(dim=1, keepdim=True) * bounds.double()).all()
+    assert (norms.double() >= weight.double().norm(dim=1)).all()
+
+
+def test_the_amx_int8_logits_and_row_errors_keep_within_the_bound(library):
+    if not AmxInt8Head.supports(library, AMX_HIDDEN):
+        pytest.skip("this build has no AMX-INT8 (the weight-only screen is tested above)")
+    weight = _weight(1000 + 17, 7, AMX_HIDDEN)  # a vocabulary past the last whole panel
+    qweight, scales = quantize_bf16_scales(weight)
+    bounds, norms = error_bounds(weight, qweight, scales)
+    gen = torch.Generator().manual_seed(8)
+    hidden = (torch.randn(37, AMX_HIDDEN, generator=gen) * 2).to(torch.bfloat16)  # 3 row blocks, the last partial
+    hidden[0, 3] = -60.0
+    approx, x_errors = AmxInt8Head(library, qweight, scales)(hidden)
+    x = hidden.double()
+    step = x.abs().amax(dim=1, keepdim=True) / 16256
+    assert torch.allclose(x_errors.double(), (x - torch.round(x / step) * step).norm(dim=1), rtol=1e-3, atol=1e-9)
+    exact = x @ weight.double().T
+    errors = x_errors.double()[:, None]
+    margin = (x.norm(dim=1, keepdim=True) + errors) * bounds.double() + errors * norms.double() \
+        + 2.0**-7 * approx.double().abs()
+    assert ((exact - approx.double()).abs() <= margin).all()
+    assert (x_errors < 1e-2 * x.norm(dim=1)).all()  # 15 bits: far below one int8 step per value
 
 
 def test_a_bfloat16_models_greedy_steps_take_the_screen_with_the_same_tokens(tiny_llama_dir):

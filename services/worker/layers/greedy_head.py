@@ -8,6 +8,11 @@ logit the int8 error bound leaves in reach of the maximum: the same token as the
 first maximum of the bfloat16 logits), up to the order of the float32 sums. A row whose hidden
 state is not finite sends the step to the full head.
 
+The int8 logits come from `AmxInt8Head` (csrc/head_int8_amx.c: hidden rows in 15 bits as two int8
+parts, products on AMX-INT8, no widening of the weight) where the CPU has AMX-INT8 and the hidden
+size is a multiple of 64 up to 1,024; elsewhere from an `Int8Weight` on the weight-only int8
+kernels (int8 GEMV, AMX int8 panels widened to bfloat16, oneDNN), whose activations stay exact.
+
 Only with bfloat16 weights and no `--quantization` (int8 weights already read the head in int8).
 """
 from __future__ import annotations
@@ -21,28 +26,69 @@ from services.worker.layers.int8_linear import Int8Weight
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 BOUND_CHUNK_ROWS = 4096  # head rows whose error norms are taken at once, in float64
+MAX_AMX_HIDDEN = 1024  # head_int8_amx.c: its combined int32 sums' bound
+
+
+class AmxInt8Head:
+    """The int8 copy packed into AMX-INT8 panels, and its product with 15-bit hidden rows."""
+
+    def __init__(self, library: ctypes.CDLL, qweight: torch.Tensor, scales: torch.Tensor):
+        self._gemm = library.head_int8_amx
+        self._gemm.argtypes, self._gemm.restype = [_P] * 5 + [_I64] * 3, ctypes.c_int
+        pack, nbytes = library.head_int8_amx_pack, library.head_int8_amx_bytes
+        pack.argtypes, pack.restype = [_P, _P, _I64, _I64], None
+        nbytes.argtypes, nbytes.restype = [_I64, _I64], _I64
+        self.vocab, self.hidden = qweight.shape
+        self.data = torch.empty(nbytes(self.vocab, self.hidden), dtype=torch.int8)
+        pack(qweight.contiguous().data_ptr(), self.data.data_ptr(), self.vocab, self.hidden)
+        self.scales = scales.float().contiguous()
+
+    @staticmethod
+    def supports(library: ctypes.CDLL, hidden: int) -> bool:
+        return bool(library.head_int8_amx_available()) and hidden % 64 == 0 and hidden <= MAX_AMX_HIDDEN
+
+    def __call__(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(bfloat16 logits [N, vocab] of the 15-bit rows, float32 [N] |row - its 15-bit row|)."""
+        out = torch.empty(hidden.shape[0], self.vocab, dtype=torch.bfloat16)
+        x_errors = torch.empty(hidden.shape[0], dtype=torch.float32)
+        if self._gemm(hidden.data_ptr(), self.data.data_ptr(), self.scales.data_ptr(), out.data_ptr(),
+                      x_errors.data_ptr(), hidden.shape[0], self.vocab, self.hidden):
+            raise MemoryError("greedy head screen: no memory for the quantized rows")
+        return out, x_errors
 
 
 class GreedyHeadScreen:
-    """The LM head's int8 copy, its rows' error bounds and the bfloat16 weight they are checked on."""
+    """The LM head's int8 copy (on AMX-INT8 or the weight-only kernels), its rows' error bounds and
+    the bfloat16 weight they are checked on."""
 
-    def __init__(self, library: ctypes.CDLL, weight: torch.Tensor, int8: Int8Weight, bounds: torch.Tensor):
+    def __init__(self, library: ctypes.CDLL, weight: torch.Tensor, approx: AmxInt8Head | Int8Weight,
+                 bounds: torch.Tensor, weight_norms: torch.Tensor):
         self._screen = library.greedy_screen_bf16
-        self._screen.argtypes, self._screen.restype = [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _P, _P], None
-        self.weight, self.int8, self.bounds = weight, int8, bounds
+        self._screen.argtypes, self._screen.restype = [_P, _I64, _P, _I64] + [_P] * 4 + [_I64] * 3 + [_P, _P], None
+        self.weight, self.approx, self.bounds, self.weight_norms = weight, approx, bounds, weight_norms
         self.num_rows = self.num_candidates = 0  # rows screened and tokens computed again, for the log
 
     @classmethod
     def build(cls, library: ctypes.CDLL, weight: torch.Tensor,
               make_int8: Callable[[torch.Tensor, torch.Tensor], Int8Weight]) -> GreedyHeadScreen:
         """From the head's bfloat16 `weight` [vocab, hidden] (kept: the screen reads it), its int8
-        copy quantized per row and set on its kernels by `make_int8(qweight, scales)`."""
+        copy quantized per row: on AMX-INT8 where the library supports the shape, else set on the
+        weight-only int8 kernels by `make_int8(qweight, scales)`."""
         if weight.dtype != torch.bfloat16 or weight.dim() != 2:
             raise ValueError(f"the greedy head screen takes a bfloat16 [vocab, hidden] weight, got {weight.dtype} "
                              f"{tuple(weight.shape)}")
         weight = weight.detach().contiguous()
         qweight, scales = quantize_bf16_scales(weight)
-        return cls(library, weight, make_int8(qweight, scales), error_bounds(weight, qweight, scales))
+        bounds, weight_norms = error_bounds(weight, qweight, scales)
+        if AmxInt8Head.supports(library, weight.shape[1]):
+            approx: AmxInt8Head | Int8Weight = AmxInt8Head(library, qweight, scales)
+        else:
+            approx = make_int8(qweight, scales)
+        return cls(library, weight, approx, bounds, weight_norms)
+
+    @property
+    def kernel(self) -> str:
+        return "AMX-INT8" if isinstance(self.approx, AmxInt8Head) else "weight-only int8"
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """int64 [N]: each row's greedy token for bfloat16 hidden states [N, hidden]; None where a
@@ -51,13 +97,17 @@ class GreedyHeadScreen:
             raise ValueError(f"greedy head screen: hidden {hidden.dtype} {tuple(hidden.shape)} against "
                              f"{tuple(self.weight.shape)}")
         hidden = hidden.contiguous()
-        approx = self.int8.linear(hidden)
         num_rows = hidden.shape[0]
+        if isinstance(self.approx, AmxInt8Head):
+            approx, x_errors = self.approx(hidden)
+            x_errors_ptr, norms_ptr = x_errors.data_ptr(), self.weight_norms.data_ptr()
+        else:
+            approx, x_errors_ptr, norms_ptr = self.approx.linear(hidden), None, None
         tokens = torch.empty(num_rows, dtype=torch.int64)
         counts = torch.empty(num_rows, dtype=torch.int32)
         self._screen(approx.data_ptr(), approx.stride(0), hidden.data_ptr(), hidden.stride(0), self.weight.data_ptr(),
-                     self.bounds.data_ptr(), num_rows, self.weight.shape[0], self.weight.shape[1], tokens.data_ptr(),
-                     counts.data_ptr())
+                     self.bounds.data_ptr(), x_errors_ptr, norms_ptr, num_rows, self.weight.shape[0],
+                     self.weight.shape[1], tokens.data_ptr(), counts.data_ptr())
         if num_rows and int(tokens.min()) < 0:
             return None
         self.num_rows += num_rows
@@ -76,14 +126,21 @@ def quantize_bf16_scales(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8), scales
 
 
-def error_bounds(weight: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """float32 [vocab]: |w_v - scale_v q_v| + hidden * 2^-22 |w_v| per row, rounded up (the second
-    term covers both float32 sums' rounding; csrc/greedy_screen.c)."""
+def error_bounds(weight: torch.Tensor, qweight: torch.Tensor,
+                 scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 [vocab] each: |w_v - scale_v q_v| + hidden * 2^-22 |w_v| (the second term covers both
+    float32 sums' rounding; csrc/greedy_screen.c), and |w_v|; both rounded up."""
     hidden = weight.shape[1]
     bounds = torch.empty(weight.shape[0], dtype=torch.float64)
+    norms = torch.empty(weight.shape[0], dtype=torch.float64)
     for start in range(0, weight.shape[0], BOUND_CHUNK_ROWS):
         w = weight[start:start + BOUND_CHUNK_ROWS].double()
         q = qweight[start:start + BOUND_CHUNK_ROWS].double() * scales[start:start + BOUND_CHUNK_ROWS, None].double()
-        bounds[start:start + len(w)] = (w - q).norm(dim=1) + hidden * 2.0**-22 * w.norm(dim=1)
-    rounded = bounds.float()
-    return torch.where(rounded.double() < bounds, torch.nextafter(rounded, torch.tensor(float("inf"))), rounded)
+        norms[start:start + len(w)] = w.norm(dim=1)
+        bounds[start:start + len(w)] = (w - q).norm(dim=1) + hidden * 2.0**-22 * norms[start:start + len(w)]
+    return _rounded_up(bounds), _rounded_up(norms)
+
+
+def _rounded_up(values: torch.Tensor) -> torch.Tensor:
+    rounded = values.float()
+    return torch.where(rounded.double() < values, torch.nextafter(rounded, torch.tensor(float("inf"))), rounded)

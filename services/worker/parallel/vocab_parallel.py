@@ -34,6 +34,7 @@ class VocabParallelLMHead(LinearBase):
         self.slice_sizes = tuple(len(r) for r in vocab_slices)
         self.is_tied = tied_to is not None
         self.bias = None
+        self.greedy_screen = None  # the greedy head screen (layers/greedy_head.py) is a one-rank head's only
         if tied_to is None:
             self.weight = nn.Parameter(torch.empty(len(self.vocab), hidden_size))
         else:

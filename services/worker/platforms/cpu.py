@@ -202,13 +202,13 @@ class CpuPlatform(Platform):
         says so for the load log."""
         if self.greedy_screen_library is None:
             return ""
-        num_screens = 0
+        kernels = []
         for head in model.modules():
             if not isinstance(head, LMHead) or head.weight.dtype != torch.bfloat16 or head.bias is not None:
                 continue
             head.greedy_screen = GreedyHeadScreen.build(self.greedy_screen_library, head.weight, self._screen_int8)
-            num_screens += 1
-        return f", {num_screens} LM head with an int8 greedy screen" if num_screens else ""
+            kernels.append(head.greedy_screen.kernel)
+        return f", LM head with an int8 greedy screen ({', '.join(kernels)})" if kernels else ""
 
     def _screen_int8(self, qweight: torch.Tensor, scales: torch.Tensor) -> Int8Weight:
         int8 = weight_only_int8(qweight, scales, self.dtype, self.native_bf16, self.int8_selector, self.int8_gemv)
