@@ -198,8 +198,8 @@ class CpuPlatform(Platform):
         return summary + (f", {num_gemv} on the GEMV up to {MAX_GEMV_ROWS} rows" if num_gemv else "")
 
     def _add_greedy_head_screens(self, model: nn.Module) -> str:
-        """Gives each bfloat16 LM head its greedy screen (an int8 copy on the weight-only int8 kernels);
-        says so for the load log."""
+        """Gives each bfloat16 LM head its greedy screen (an int8 copy on AMX-INT8, or on the weight-only
+        int8 kernels through `_screen_int8`); says which for the load log."""
         if self.greedy_screen_library is None:
             return ""
         kernels = []
