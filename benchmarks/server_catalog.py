@@ -116,6 +116,15 @@ def make_servers(names: list[str], dtype: str, install: bool, bf16_max_concurren
                                         f"layer by layer from Python; c<={bf16_max_concurrency} only")
             server.max_concurrency = bf16_max_concurrency
             servers.append(server)
+        elif name == "spindle-bf16-kv8-full-head":  # spindle-bf16-kv8 with every greedy step on the bf16 head
+            env = {"SPINDLE_DTYPE": "bfloat16", "SPINDLE_KV_CACHE_DTYPE": "int8",
+                   "SPINDLE_CPU_GREEDY_HEAD_SCREEN": "false"}
+            server = SpindleServer(name, env=env,
+                                   note="bfloat16 with the int8 KV cache as spindle-bf16-kv8, with "
+                                        "--cpu-greedy-head-screen false: greedy steps read the whole bfloat16 LM "
+                                        f"head; c<={bf16_max_concurrency} only")
+            server.max_concurrency = bf16_max_concurrency
+            servers.append(server)
         elif name == "spindle-int8":
             server = SpindleServer("spindle-int8", env={"SPINDLE_DTYPE": "bfloat16", "SPINDLE_QUANTIZATION": "int8"},
                                    note="weight-only int8 matmul weights (per-channel scales), bfloat16 activations "

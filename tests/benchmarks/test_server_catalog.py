@@ -39,3 +39,10 @@ def test_the_layered_row_is_bf16_with_the_decode_stack_off():
     layered, = make_servers(["spindle-bf16-layered"], "float32", install=False, bf16_max_concurrency=64)
     assert layered.env == {"SPINDLE_DTYPE": "bfloat16", "SPINDLE_CPU_FUSED_DECODE": "false"}
     assert layered.max_concurrency == 64
+
+
+def test_the_full_head_row_is_bf16_kv8_with_the_greedy_head_screen_off():
+    row, = make_servers(["spindle-bf16-kv8-full-head"], "float32", install=False, bf16_max_concurrency=64)
+    assert row.env == {"SPINDLE_DTYPE": "bfloat16", "SPINDLE_KV_CACHE_DTYPE": "int8",
+                       "SPINDLE_CPU_GREEDY_HEAD_SCREEN": "false"}
+    assert row.max_concurrency == 64 and "--cpu-greedy-head-screen false" in row.note
