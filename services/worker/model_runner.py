@@ -8,7 +8,8 @@ Per step (`execute_model`):
 3. for the requests in `num_scheduled_tokens` order, build input ids, positions, slot mapping,
    query start locations, sequence lengths and block tables;
 4. forward; logits only for the last scheduled token of requests whose computed tokens reach the
-   end of their known tokens (a partial prefill chunk samples nothing);
+   end of their known tokens (a partial prefill chunk samples nothing); an all-greedy step on a
+   head with a greedy screen takes its tokens from the screen instead (layers/greedy_head.py);
 5. sample, and append each sampled token to its request: the scheduler never resends them. The
    runner never advances a count itself: every step brings the scheduler's. Rows with an output
    constraint get their grammar's bitmask applied to the logits first, and their grammar advances
@@ -145,7 +146,8 @@ class ModelRunner:
             hidden_states = hidden_states[inputs.logits_indices]
             if self.tp_group is None and self.model.has_greedy_head_screen and not self.input_batch.num_grammar_rows:
                 metadata = self._sampling_metadata(inputs)
-                greedy = self._greedy_tokens(metadata, hidden_states)
+                if argmax_only(metadata):  # every row greedy, nothing else reads the logits
+                    greedy = self.model.compute_greedy_tokens(hidden_states)  # None: a row not finite
             if greedy is None:
                 # Tensor parallel: every rank computes its vocabulary slice; None but on the sampling rank.
                 logits = self.model.compute_logits(hidden_states)
@@ -154,7 +156,7 @@ class ModelRunner:
         logprobs = [None] * len(inputs.req_ids)
         if greedy is not None:
             for i, row, token_id in zip(inputs.sample_indices.tolist(), inputs.rows[inputs.sample_indices].tolist(),
-                                        greedy, strict=True):
+                                        greedy.tolist(), strict=True):
                 self.input_batch.append_token(row, token_id)
                 sampled[i] = [token_id]
         elif self.tp_group is not None and len(inputs.sample_indices):
@@ -333,14 +335,6 @@ class ModelRunner:
             sample_indices=sample_indices,
             logits_indices=torch.from_numpy(query_start_loc[1:][sample_indices] - 1).to(self.device),
         )
-
-    def _greedy_tokens(self, metadata: SamplingMetadata, hidden_states: torch.Tensor) -> list[int] | None:
-        """The step's tokens from the model's greedy head screen (layers/greedy_head.py) where every
-        row takes the argmax and nothing else reads the logits; None: the logits are needed."""
-        if not argmax_only(metadata):
-            return None
-        tokens = self.model.compute_greedy_tokens(hidden_states)
-        return None if tokens is None else tokens.tolist()
 
     def _sampling_metadata(self, inputs: ModelInputs) -> SamplingMetadata:
         return build_sampling_metadata(self.input_batch, inputs.rows[inputs.sample_indices], self.eos_token_ids,

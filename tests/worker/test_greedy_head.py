@@ -10,7 +10,8 @@ import torch
 
 from services.common.messages import SamplingParams
 from services.worker.config import WorkerConfig
-from services.worker.layers.greedy_head import AmxInt8Head, GreedyHeadScreen, error_bounds, quantize_bf16_scales
+from services.worker.layers.greedy_head import AmxInt8Head, GreedyHeadScreen, error_bounds
+from services.worker.layers.int8_kernels import quantize_per_channel
 from services.worker.layers.int8_linear import Int8Weight
 from tests.worker.harness import VOCAB_SIZE, MiniScheduler
 from tests.worker.kernel_builds import MARCHES, library_for
@@ -90,7 +91,7 @@ def test_a_row_that_is_not_finite_leaves_the_step_to_the_full_head(library, hidd
 
 def test_the_bounds_cover_the_int8_copys_error():
     weight = _weight(3000, 6)
-    qweight, scales = quantize_bf16_scales(weight)
+    qweight, scales = quantize_per_channel(weight, bfloat16_scales=True)
     assert torch.equal(scales, scales.bfloat16().float())  # bfloat16 holds them exactly
     assert (scales * 127 >= weight.float().abs().amax(dim=1)).all()  # no weight clipped
     bounds, norms = error_bounds(weight, qweight, scales)
@@ -105,7 +106,7 @@ def test_the_amx_int8_logits_and_row_errors_keep_within_the_bound(library):
     if not AmxInt8Head.supports(library, AMX_HIDDEN):
         pytest.skip("this build has no AMX-INT8 (the weight-only screen is tested above)")
     weight = _weight(1000 + 17, 7, AMX_HIDDEN)  # a vocabulary past the last whole panel
-    qweight, scales = quantize_bf16_scales(weight)
+    qweight, scales = quantize_per_channel(weight, bfloat16_scales=True)
     bounds, norms = error_bounds(weight, qweight, scales)
     gen = torch.Generator().manual_seed(8)
     hidden = (torch.randn(37, AMX_HIDDEN, generator=gen) * 2).to(torch.bfloat16)  # 3 row blocks, the last partial

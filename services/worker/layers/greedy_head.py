@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from services.worker.layers.int8_kernels import quantize_per_channel
 from services.worker.layers.int8_linear import Int8Weight
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
@@ -66,7 +67,7 @@ class GreedyHeadScreen:
         self._screen = library.greedy_screen_bf16
         self._screen.argtypes, self._screen.restype = [_P, _I64, _P, _I64] + [_P] * 4 + [_I64] * 3 + [_P, _P], None
         self.weight, self.approx, self.bounds, self.weight_norms = weight, approx, bounds, weight_norms
-        self.num_rows = self.num_candidates = 0  # rows screened and tokens computed again, for the log
+        self.num_rows = self.num_candidates = 0  # rows screened and tokens computed again (tests, benchmarks)
 
     @classmethod
     def build(cls, library: ctypes.CDLL, weight: torch.Tensor,
@@ -78,7 +79,7 @@ class GreedyHeadScreen:
             raise ValueError(f"the greedy head screen takes a bfloat16 [vocab, hidden] weight, got {weight.dtype} "
                              f"{tuple(weight.shape)}")
         weight = weight.detach().contiguous()
-        qweight, scales = quantize_bf16_scales(weight)
+        qweight, scales = quantize_per_channel(weight, bfloat16_scales=True)
         bounds, weight_norms = error_bounds(weight, qweight, scales)
         if AmxInt8Head.supports(library, weight.shape[1]):
             approx: AmxInt8Head | Int8Weight = AmxInt8Head(library, qweight, scales)
@@ -113,17 +114,6 @@ class GreedyHeadScreen:
         self.num_rows += num_rows
         self.num_candidates += int(counts.sum())
         return tokens
-
-
-def quantize_bf16_scales(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8 with scales that bfloat16 holds exactly (absmax / 127 rounded up into
-    bfloat16): the int8 kernels that take their scales in the activations' dtype (int8pack_mm, the
-    widening GEMM) then multiply by the same weight as the float32 ones, which the bounds describe."""
-    w = weight.detach().float()
-    absmax = w.abs().amax(dim=1)
-    # Up by 2^-8 before rounding to nearest: the rounding moves at most 2^-9, so the scale stays above.
-    scales = (torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax)) * (1 + 2.0**-8)).bfloat16().float()
-    return torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8), scales
 
 
 def error_bounds(weight: torch.Tensor, qweight: torch.Tensor,

@@ -22,12 +22,16 @@ INT8PACK_ALIGNMENT_BYTES = 64
 WIDEN_CHUNK_ROWS = 1024  # weight rows widened per matmul (1024 x 576 bf16 is 1.2 MB: L2-sized)
 
 
-def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_channel(weight: torch.Tensor, bfloat16_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel int8: scale = absmax / 127 of each row, Q = round(W / scale)
-    in [-127, 127]. Returns (Q int8 [out, in], scales float32 [out]); an all-zero row gets scale 1."""
+    in [-127, 127]. Returns (Q int8 [out, in], scales float32 [out]); an all-zero row gets scale 1.
+    `bfloat16_scales`: each scale rounded up to one bfloat16 holds exactly, so kernels that take the
+    scales in bfloat16 (int8pack_mm, the widening GEMM) multiply by the same weight as the float32 ones."""
     w = weight.detach().float()
     absmax = w.abs().amax(dim=1)
     scales = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
+    if bfloat16_scales:  # up by 2^-8, then to nearest (which moves at most 2^-9): still >= absmax / 127
+        scales = (scales * (1 + 2.0**-8)).bfloat16().float()
     qweight = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
     return qweight, scales
 
