@@ -10,7 +10,7 @@ import torch
 
 from services.common.messages import SamplingParams
 from services.worker.config import WorkerConfig
-from services.worker.layers.greedy_head import AmxInt8Head, GreedyHeadScreen, error_bounds
+from services.worker.layers.greedy_head import MAX_WEIGHT_ONLY_SCREEN_ROWS, AmxInt8Head, GreedyHeadScreen, error_bounds
 from services.worker.layers.int8_kernels import quantize_per_channel
 from services.worker.layers.int8_linear import Int8Weight
 from tests.worker.harness import VOCAB_SIZE, MiniScheduler
@@ -89,6 +89,16 @@ def test_a_row_that_is_not_finite_leaves_the_step_to_the_full_head(library, hidd
         screen(torch.randn(2, hidden_size + 1).to(torch.bfloat16))
 
 
+def test_without_amx_only_few_row_steps_take_the_screen(library, hidden_size):
+    screen = GreedyHeadScreen.build(library, _weight(300, 9, hidden_size), _plain_int8)
+    if isinstance(screen.approx, AmxInt8Head):  # AMX-INT8's product gains at every row count
+        assert screen.max_rows is None and screen.takes(1) and screen.takes(4096)
+    else:  # the weight-only copy, not on AMX int8 panels: a batch costs more than the bfloat16 head
+        assert screen.max_rows == MAX_WEIGHT_ONLY_SCREEN_ROWS
+        assert screen.takes(1) and screen.takes(MAX_WEIGHT_ONLY_SCREEN_ROWS)
+        assert not screen.takes(MAX_WEIGHT_ONLY_SCREEN_ROWS + 1)
+
+
 def test_the_bounds_cover_the_int8_copys_error():
     weight = _weight(3000, 6)
     qweight, scales = quantize_per_channel(weight, bfloat16_scales=True)
@@ -126,15 +136,25 @@ def test_the_amx_int8_logits_and_row_errors_keep_within_the_bound(library):
 def test_a_bfloat16_models_greedy_steps_take_the_screen_with_the_same_tokens(tiny_llama_dir):
     from tests.worker.test_decode_stack import _runner
 
-    def run(screen: bool, params: SamplingParams | None = None) -> tuple[list[list[int]], int, int]:
+    def run(screen: bool, params: SamplingParams | None = None,
+            max_rows: int | None = None) -> tuple[list[list[int]], int, int]:
         runner = _runner(tiny_llama_dir, torch.bfloat16, "none", fused=True)
         head = runner.model.lm_head
         assert head.greedy_screen is not None and WorkerConfig().cpu_greedy_head_screen
+        head.greedy_screen.max_rows = max_rows  # None: every step, whatever the CPU
         if not screen:
             head.greedy_screen = None
         calls = {"screen": 0, "logits": 0}
         greedy, logits = runner.model.compute_greedy_tokens, runner.model.compute_logits
-        runner.model.compute_greedy_tokens = lambda h: (calls.__setitem__("screen", calls["screen"] + 1), greedy(h))[1]
+
+        def screened(hidden: torch.Tensor) -> torch.Tensor | None:
+            tokens = greedy(hidden)
+            if tokens is not None:
+                assert max_rows is None or hidden.shape[0] <= max_rows  # larger steps are not screened
+                calls["screen"] += 1
+            return tokens
+
+        runner.model.compute_greedy_tokens = screened
         runner.model.compute_logits = lambda h: (calls.__setitem__("logits", calls["logits"] + 1), logits(h))[1]
         scheduler = MiniScheduler(block_size=4, token_budget=32)
         gen = torch.Generator().manual_seed(2)
@@ -150,3 +170,6 @@ def test_a_bfloat16_models_greedy_steps_take_the_screen_with_the_same_tokens(tin
     # Logprobs read the logits: such steps take the full head.
     _, num_screened, num_full = run(True, SamplingParams(temperature=0, max_tokens=10, logprobs=2))
     assert num_screened == 0 and num_full > 0
+    # Steps of more rows than the screen's limit take the full head, with the same tokens.
+    limited, num_screened, num_full = run(True, max_rows=2)
+    assert limited == full and num_screened > 0 and num_full > 0

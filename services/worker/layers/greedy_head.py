@@ -13,6 +13,14 @@ parts, products on AMX-INT8, no widening of the weight) where the CPU has AMX-IN
 size is a multiple of 64 up to 1,024; elsewhere from an `Int8Weight` on the weight-only int8
 kernels (int8 GEMV, AMX int8 panels widened to bfloat16, oneDNN), whose activations stay exact.
 
+Without AMX a batch's int8 product costs more than the bfloat16 head it replaces, so the
+weight-only copy takes steps of up to `MAX_WEIGHT_ONLY_SCREEN_ROWS` rows (`takes`), where the
+int8 GEMV streams half the bytes, and the full head the larger ones. On a 2-core Zen 4
+(AVX512_BF16 and VNNI, no AMX; SmolLM2-135M's head, ms for the screen against the full head and
+its argmax): 1 row 0.55 / 1.16, 4 rows 1.09 / 1.30, 8 rows 2.06 / 1.46, 20 rows 5.12 / 2.96.
+Activations quantized per row on the VNNI column tiles (gemm_int8_tiles.c) left 1,648 tokens a
+row in reach on average, so that product is not used here.
+
 Only with bfloat16 weights and no `--quantization` (int8 weights already read the head in int8).
 """
 from __future__ import annotations
@@ -28,6 +36,7 @@ from services.worker.layers.int8_linear import Int8Weight
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 BOUND_CHUNK_ROWS = 4096  # head rows whose error norms are taken at once, in float64
 MAX_AMX_HIDDEN = 1024  # head_int8_amx.c: its combined int32 sums' bound
+MAX_WEIGHT_ONLY_SCREEN_ROWS = 4  # without AMX, more rows take the full head (the module docstring)
 
 
 class AmxInt8Head:
@@ -63,10 +72,11 @@ class GreedyHeadScreen:
     the bfloat16 weight they are checked on."""
 
     def __init__(self, library: ctypes.CDLL, weight: torch.Tensor, approx: AmxInt8Head | Int8Weight,
-                 bounds: torch.Tensor, weight_norms: torch.Tensor):
+                 bounds: torch.Tensor, weight_norms: torch.Tensor, max_rows: int | None = None):
         self._screen = library.greedy_screen_bf16
         self._screen.argtypes, self._screen.restype = [_P, _I64, _P, _I64] + [_P] * 4 + [_I64] * 3 + [_P, _P], None
         self.weight, self.approx, self.bounds, self.weight_norms = weight, approx, bounds, weight_norms
+        self.max_rows = max_rows  # steps with more rows take the full head (None: every step)
         self.num_rows = self.num_candidates = 0  # rows screened and tokens computed again (tests, benchmarks)
 
     @classmethod
@@ -82,14 +92,18 @@ class GreedyHeadScreen:
         qweight, scales = quantize_per_channel(weight, bfloat16_scales=True)
         bounds, weight_norms = error_bounds(weight, qweight, scales)
         if AmxInt8Head.supports(library, weight.shape[1]):
-            approx: AmxInt8Head | Int8Weight = AmxInt8Head(library, qweight, scales)
-        else:
-            approx = make_int8(qweight, scales)
-        return cls(library, weight, approx, bounds, weight_norms)
+            return cls(library, weight, AmxInt8Head(library, qweight, scales), bounds, weight_norms)
+        approx = make_int8(qweight, scales)
+        max_rows = None if approx.amx_weight is not None else MAX_WEIGHT_ONLY_SCREEN_ROWS
+        return cls(library, weight, approx, bounds, weight_norms, max_rows)
 
     @property
     def kernel(self) -> str:
         return "AMX-INT8" if isinstance(self.approx, AmxInt8Head) else "weight-only int8"
+
+    def takes(self, num_rows: int) -> bool:
+        """Whether a greedy step of `num_rows` rows is faster through the screen than the full head."""
+        return self.max_rows is None or num_rows <= self.max_rows
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """int64 [N]: each row's greedy token for bfloat16 hidden states [N, hidden]; None where a

@@ -150,8 +150,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_greedy_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """Each row's argmax of `compute_logits` from the head's greedy screen (layers/greedy_head.py);
-        None where the screen leaves it to the full head."""
-        return self.lm_head.greedy_screen(hidden_states)
+        None where the screen leaves it to the full head (a row not finite, or more rows than the
+        screen is faster at)."""
+        screen = self.lm_head.greedy_screen
+        return screen(hidden_states) if screen.takes(hidden_states.shape[0]) else None
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
