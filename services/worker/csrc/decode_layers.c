@@ -38,6 +38,8 @@ int gemm_amx_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bia
                   int64_t n_size, int64_t k_size);
 int gemm_amx_int8w(const uint16_t *x, const int8_t *packed, const float *scales, const uint16_t *bias, uint16_t *y,
                    int64_t m_size, int64_t n_size, int64_t k_size);
+int gemm_tiles_int8w_bf16(const uint16_t *x, const int8_t *wt, const float *scales, const uint16_t *bias,
+                          uint16_t *y, int64_t m_size, int64_t n_size, int64_t k_size);
 int int8_tiles_bf16(const uint16_t *x, const uint8_t *wt, const float *w_scales, const uint16_t *bias, uint16_t *y,
                     int64_t m_size, int64_t n_size, int64_t k_size, int64_t group_size);
 int gemv_int8_f32(const float *x, const int8_t *q, const float *scales, const float *bias, float *y, int64_t m,
@@ -64,7 +66,7 @@ int write_kv_int8_bf16(const uint16_t *key, int64_t key_stride, const uint16_t *
                        const int64_t *slots, int64_t num_tokens, int num_kv_heads, int head_dim, int block_size,
                        int64_t block_bytes, int64_t num_blocks, int8_t *key_cache, int8_t *value_cache);
 
-enum { WEIGHTS_BF16 = 0, WEIGHTS_INT8 = 1, WEIGHTS_BF16_TILES = 2, WEIGHTS_INT8_TILES = 3 };
+enum { WEIGHTS_BF16 = 0, WEIGHTS_INT8 = 1, WEIGHTS_BF16_TILES = 2, WEIGHTS_INT8_TILES = 3, WEIGHTS_INT8_WIDENED = 4 };
 enum { PROJ_QKV = 0, PROJ_O = 1, PROJ_GATE_UP = 2, PROJ_DOWN = 3, NUM_PROJ = 4 };
 
 /* The model, filled once by decode_stack.py; the arrays hold num_layers entries each. For every
@@ -88,7 +90,8 @@ typedef struct {
   /* WEIGHTS_BF16_TILES: each projection's column tiles take up to tile_rows[p] rows; above them its
    * weight in the AMX GEMM's panels (amx[p]) takes up to amx_rows[p] (0 where it has none).
    * WEIGHTS_INT8 with amx_rows[p] set: the int8 GEMV takes up to tile_rows[p] rows, the int8 AMX
-   * GEMM's panels above. */
+   * GEMM's panels above. WEIGHTS_INT8_WIDENED (weight-only int8 without AMX): the int8 GEMV up to
+   * tile_rows[p] rows, the column tiles holding the weight in int8 (tiles[p]) above. */
   int64_t tile_rows[NUM_PROJ], amx_rows[NUM_PROJ];
   void **amx[NUM_PROJ];
 } DecodeStack;
@@ -105,7 +108,10 @@ static int project_bf16(const DecodeStack *s, int p, int64_t l, const uint16_t *
     if (m > s->amx_rows[p]) return 20;
     return gemm_amx_int8w(x, s->amx[p][l], s->scales[p][l], s->bias[p][l], y, m, n, k) ? 21 : 0;
   }
-  if (s->weight_kind == WEIGHTS_INT8 || (s->weight_kind == WEIGHTS_INT8_TILES && m <= s->max_gemv_rows))
+  if (s->weight_kind == WEIGHTS_INT8_WIDENED && m > s->tile_rows[p])
+    return gemm_tiles_int8w_bf16(x, s->tiles[p][l], s->scales[p][l], s->bias[p][l], y, m, n, k) ? 21 : 0;
+  if (s->weight_kind == WEIGHTS_INT8 || s->weight_kind == WEIGHTS_INT8_WIDENED ||
+      (s->weight_kind == WEIGHTS_INT8_TILES && m <= s->max_gemv_rows))
     return gemv_int8_bf16(x, s->weight[p][l], s->scales[p][l], s->bias[p][l], y, m, n, k);
   if (s->weight_kind == WEIGHTS_INT8_TILES)
     return int8_tiles_bf16(x, s->tiles[p][l], s->scales[p][l], s->bias[p][l], y, m, n, k, s->act_group_size);

@@ -79,20 +79,11 @@ int64_t gemm_amx_numel(int64_t n_size, int64_t k_size) {
 DEFINE_PACK(gemm_amx_pack, uint16_t)
 #if HAS_INT8_BF16_TABLE
 /* The int8 panels are widened by the byte table (int8_bf16.h), whose interleave works within
- * 128-bit lanes: it turns the 64 bytes of a line into words 0-7, 16-23, 32-39, 48-55 (`lo`) then
- * 8-15, 24-31, 40-47, 56-63 (`hi`). So each line is stored with its bytes where that order puts them
- * back in the panel's: output word o of a line comes from byte line_source(o). */
-static inline int line_source(int o) { return o < 32 ? 16 * (o / 8) + o % 8 : 16 * ((o - 32) / 8) + 8 + o % 8; }
+ * 128-bit lanes, so each line is stored in its order (`order_lines_for_table`). */
 DEFINE_PACK(pack_int8_panel_order, int8_t)
 void gemm_amx_int8w_pack(const int8_t *w, int8_t *out, int64_t n_size, int64_t k_size) {
   pack_int8_panel_order(w, out, n_size, k_size);
-  const int64_t num_bytes = gemm_amx_numel(n_size, k_size);
-#pragma omp parallel for schedule(static)
-  for (int64_t line = 0; line < num_bytes; line += 64) {
-    int8_t ordered[64];
-    memcpy(ordered, out + line, 64);
-    for (int o = 0; o < 64; o++) out[line + line_source(o)] = ordered[o];
-  }
+  order_lines_for_table(out, gemm_amx_numel(n_size, k_size));
 }
 #else
 DEFINE_PACK(gemm_amx_int8w_pack, int8_t)

@@ -57,6 +57,20 @@ static inline __attribute__((always_inline)) void int8_line_to_bf16(const Bf16Ta
 #define X_LINE_LO(x0, x1) _mm512_shuffle_i64x2(x0, x1, 0x88)
 #define X_LINE_HI(x0, x1) _mm512_shuffle_i64x2(x0, x1, 0xDD)
 
+/* A packed weight whose lines are stored so that `lo` then `hi` are its 64 values in order: output
+ * word o of a line comes from byte line_source(o) (`lo` takes bytes 0-7, 16-23, 32-39, 48-55). */
+static inline int line_source(int o) { return o < 32 ? 16 * (o / 8) + o % 8 : 16 * ((o - 32) / 8) + 8 + o % 8; }
+
+/* Reorders num_bytes (a multiple of 64) of a packed int8 weight line by line for `line_source`. */
+static inline void order_lines_for_table(int8_t *packed, int64_t num_bytes) {
+#pragma omp parallel for schedule(static)
+  for (int64_t line = 0; line < num_bytes; line += 64) {
+    int8_t ordered[64];
+    memcpy(ordered, packed + line, 64);
+    for (int o = 0; o < 64; o++) packed[line + line_source(o)] = ordered[o];
+  }
+}
+
 #else
 #define HAS_INT8_BF16_TABLE 0
 #endif

@@ -44,6 +44,7 @@ from services.worker.layers.int8_kernels import (
 
 if TYPE_CHECKING:
     from services.worker.layers.amx_gemm import AmxGemm, AmxInt8Weight
+    from services.worker.layers.gemv import Gemv, WidenedTiledWeight
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,9 @@ class Int8Weight:
         # Weight-only int8, bfloat16 x: the AMX GEMM and this weight in its panels, above the GEMV's rows
         self.amx_gemm: AmxGemm | None = None
         self.amx_weight: AmxInt8Weight | None = None
+        # Weight-only int8, bfloat16 x, no AMX: the column tiles holding this weight, above the GEMV's rows
+        self.tiles_gemv: Gemv | None = None
+        self.widened_tiles: WidenedTiledWeight | None = None
 
     def use_gemv(self, gemv: Int8Gemv) -> bool:
         """Multiplies x of up to MAX_INT8_GEMV_ROWS rows on `gemv` from now on, where it supports
@@ -109,6 +113,9 @@ class Int8Weight:
             if (self.amx_weight is not None and x.shape[0] <= self.amx_weight.max_rows and x.dim() == 2
                     and x.dtype == torch.bfloat16):
                 return self.amx_gemm(x, self.amx_weight, bias)
+            if self.widened_tiles is not None and x.dtype == torch.bfloat16:
+                out = self.tiles_gemv.int8_tiles(x.reshape(-1, x.shape[-1]), self.widened_tiles, self.scales, bias)
+                return out.reshape(*x.shape[:-1], self.shape[0])
             if self.tiles is not None and x.dtype == torch.bfloat16:
                 rows = x.reshape(-1, x.shape[-1])
                 if rows.shape[0] <= self.tiles.max_rows:
@@ -180,6 +187,17 @@ class Int8PathSelector:
                         self.thresholds[key])
         return self.thresholds[key]
 
+    def max_gemv_rows_below_tiles(self, weight: Int8Weight) -> int:
+        """Up to how many bfloat16 rows `weight` stays on its GEMV once the column tiles holding it in
+        int8 (`widened_tiles`) take the rows above: the last count of ROW_GRID before the tiles won
+        twice in a row, at most the GEMV's limit against the other paths."""
+        key = (*weight.shape, torch.bfloat16, "gemv-below-int8-tiles")
+        if key not in self.thresholds:
+            self._find(key, lambda: self._measure_gemv_below_tiles(weight))
+            logger.info("int8 %dx%d bfloat16: GEMV up to %d rows, int8 column tiles above", key[0], key[1],
+                        self.thresholds[key])
+        return min(self.thresholds[key], weight.max_gemv_rows)
+
     def max_int8_tile_rows(self, weight: Int8Weight, tiles: Int8TiledWeight) -> int:
         """Up to how many bfloat16 rows W8A8 multiplies `weight` on its int8 column tiles rather
         than oneDNN's int8 GEMM (both give the same products): timed once per shape where AMX-INT8
@@ -214,6 +232,15 @@ class Int8PathSelector:
             return gemv_s <= self._best_time(lambda: weight.linear(x, use_int8pack=use_int8pack))
 
         return last_win(GEMV_ROW_GRID, gemv_wins, MAX_INT8_GEMV_ROWS)[0]
+
+    def _measure_gemv_below_tiles(self, weight: Int8Weight) -> int:
+        def gemv_wins(num_rows: int) -> bool:
+            x = torch.randn(num_rows, weight.shape[1]).to(torch.bfloat16)
+            gemv_s = self._best_time(lambda: weight.gemv(x, weight.qweight, weight.scales))
+            tiles_s = self._best_time(lambda: weight.tiles_gemv.int8_tiles(x, weight.widened_tiles, weight.scales))
+            return gemv_s <= tiles_s
+
+        return last_win(ROW_GRID, gemv_wins, 0)[0]
 
     def _measure_int8_tiles(self, weight: Int8Weight, tiles: Int8TiledWeight) -> int:
         w8a8 = weight.w8a8

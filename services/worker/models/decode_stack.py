@@ -11,7 +11,8 @@ path bit for bit.
 `attach_decode_stack` gives one to a `LlamaModel` whose every layer qualifies: plain (unsharded)
 projections all on the bfloat16 GEMV or its column tiles (bfloat16 activations; above the tiles the
 AMX GEMM where every layer's projection has it) or all on the int8 GEMV (with bfloat16 activations
-the int8 AMX GEMM above it, likewise), biases in the activations'
+the int8 AMX GEMM above it, likewise, or without AMX the column tiles holding the int8 weight),
+biases in the activations'
 dtype, the compiled fused ops and paged-decode attention (on a cache in the activations' dtype, or
 on the int8 cache with its compiled writer), SiLU. `LlamaModel.forward` then takes it for all-decode
 steps of up to the kernels' row limit (every layer's).
@@ -29,14 +30,15 @@ from services.worker.attention.int8_kv_cache import int8_block_bytes
 from services.worker.attention.torch_backend import TorchAttentionMetadata
 from services.worker.layers.activation import SiluAndMul
 from services.worker.layers.fused_ops import CpuLayerOps
-from services.worker.layers.linear import MAX_GEMV_ROWS, Linear, LinearBase, MergedLinear, QKVLinear
+from services.worker.layers.linear import MAX_GEMV_ROWS, MAX_TILE_ROWS, Linear, LinearBase, MergedLinear, QKVLinear
 
 if TYPE_CHECKING:
     from services.worker.models.llama import LlamaModel
 
 _P, _I64, _F32, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 _PP = ctypes.POINTER(ctypes.c_void_p)
-WEIGHTS_BF16, WEIGHTS_INT8, WEIGHTS_BF16_TILES, WEIGHTS_INT8_TILES = 0, 1, 2, 3  # decode_layers.c's weight kinds
+# decode_layers.c's weight kinds
+WEIGHTS_BF16, WEIGHTS_INT8, WEIGHTS_BF16_TILES, WEIGHTS_INT8_TILES, WEIGHTS_INT8_WIDENED = 0, 1, 2, 3, 4
 _PLAIN_LINEARS = (Linear, MergedLinear, QKVLinear)  # a sharded one (tensor parallelism) reduces after
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -212,9 +214,11 @@ def attach_decode_stack(model: LlamaModel, kernel: DecodeLayersKernel) -> str:
 
 
 def _tile_rows(proj: LinearBase) -> int:
-    """The rows of the projection's few-row kernel below its AMX GEMM: column tiles, or the int8 GEMV."""
+    """The rows of the projection's few-row kernel below its AMX GEMM or widened int8 tiles: column
+    tiles, or the int8 GEMV."""
     if proj.int8_weight is not None:
-        return proj.int8_weight.max_gemv_rows if proj.int8_weight.amx_weight is not None else 0
+        int8 = proj.int8_weight
+        return int8.max_gemv_rows if int8.amx_weight is not None or int8.widened_tiles is not None else 0
     return proj.gemv_tiles.max_rows if proj.gemv_tiles is not None else 0
 
 
@@ -231,6 +235,8 @@ def _max_rows(proj: LinearBase, weight_kind: int) -> int:
         return max(proj.int8_weight.tiles.max_rows, proj.int8_weight.max_gemv_rows)
     if weight_kind == WEIGHTS_INT8:  # the int8 AMX GEMM above the GEMV, where the weight has it
         return max(proj.int8_weight.max_gemv_rows, _amx_rows(proj))
+    if weight_kind == WEIGHTS_INT8_WIDENED:  # every row count: the bfloat16 tiles' decode limit
+        return MAX_TILE_ROWS
     return MAX_GEMV_ROWS
 
 
@@ -251,6 +257,8 @@ def _gemv_operands(proj: LinearBase, dtype: torch.dtype):
             if int8.tiles.asymmetric and int8.max_gemv_rows:
                 return None  # the stack passes one scale per channel to both, and these differ
             return WEIGHTS_INT8_TILES, int8.qweight, int8.tiles.scales, bias, int8.tiles.data, None
+        if int8.widened_tiles is not None and dtype == torch.bfloat16:
+            return WEIGHTS_INT8_WIDENED, int8.qweight, int8.scales, bias, int8.widened_tiles.data, None
         amx = int8.amx_weight.data if int8.amx_weight is not None and dtype == torch.bfloat16 else None
         return WEIGHTS_INT8, int8.qweight, int8.scales, bias, None, amx
     if proj.gemv_tiles is not None and dtype == torch.bfloat16:

@@ -41,7 +41,7 @@ from services.worker.layers.amx_gemm import AmxGemm, AmxRowSelector, use_amx_gem
 from services.worker.layers.embedding import LMHead
 from services.worker.layers.greedy_head import GreedyHeadScreen
 from services.worker.layers.fused_ops import CpuLayerOps, FusedOps
-from services.worker.layers.gemv import Gemv, use_gemv
+from services.worker.layers.gemv import Gemv, use_gemv, use_widened_int8_tiles
 from services.worker.layers.int8_gemv import Int8Gemv
 from services.worker.layers.int8_linear import Int8PathSelector, Int8Weight, quantize_model, weight_only_int8
 from services.worker.layers.layer_ops import LayerOps, TorchLayerOps
@@ -173,6 +173,12 @@ class CpuPlatform(Platform):
                     limit = _row_limits(m.int8_weight.amx_weight for m in model.modules()
                                         if isinstance(m, LinearBase) and m.int8_weight is not None)
                     summary += f", {num_amx} in int8 panels on the AMX GEMM up to {limit} rows"
+            elif self.gemv is not None and self.w8a8 is None and self.dtype == torch.bfloat16:
+                num_tiled = use_widened_int8_tiles(model, self.gemv, self.int8_selector, self.weight_memory)
+                if num_tiled:
+                    rows = sorted({m.int8_weight.max_gemv_rows for m in model.modules()
+                                   if isinstance(m, LinearBase) and m.int8_weight is not None})
+                    summary += f", {num_tiled} in int8 column tiles above the GEMV's {rows[0]}-{rows[-1]} rows"
             return summary
         num_packed = num_copied = num_gemv = num_amx = 0
         screens = self._add_greedy_head_screens(model)  # before packing: the screen reads the plain weight
