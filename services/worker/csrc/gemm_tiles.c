@@ -116,16 +116,32 @@ static inline __attribute__((always_inline)) void block(const uint16_t *x, const
     for (int t = 0; t < num_t; t++) _mm512_storeu_ps(sums + (m * TN + t) * TILE, acc[m][t]);
 }
 
-#define BLOCK_CASES(NT)                                                    \
-  switch (num_m) {                                                         \
-    case 1: block(xm, w, k_size, tile_stride, 1, NT, sums, next); break;         \
-    case 2: block(xm, w, k_size, tile_stride, 2, NT, sums, next); break;         \
-    case 3: block(xm, w, k_size, tile_stride, 3, NT, sums, next); break;         \
-    case 4: block(xm, w, k_size, tile_stride, 4, NT, sums, next); break;         \
-    case 5: block(xm, w, k_size, tile_stride, 5, NT, sums, next); break;         \
-    case 6: block(xm, w, k_size, tile_stride, 6, NT, sums, next); break;         \
-    case 7: block(xm, w, k_size, tile_stride, 7, NT, sums, next); break;         \
-    default: block(xm, w, k_size, tile_stride, MR, NT, sums, next); break;       \
+/* A block's sums [num_m][TN][16] (times each column's scale where scales is not NULL, + bias) into
+ * rows y [num_m, n_size] from column n0, rounded once to bfloat16; only the columns below n_size. */
+static inline void store_rows(const float *sums, int num_m, int num_t, int64_t n0, const float *scales,
+                              const uint16_t *bias, uint16_t *y, int64_t n_size) {
+  for (int m = 0; m < num_m; m++)
+    for (int t = 0; t < num_t; t++) {
+      const int64_t n = n0 + t * TILE;
+      const int cols = n_size - n < TILE ? (int)(n_size - n) : TILE;
+      const __mmask16 mask = (__mmask16)((1u << cols) - 1);
+      __m512 v = _mm512_loadu_ps(sums + (m * TN + t) * TILE);
+      if (scales) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mask, scales + n));
+      if (bias) v = _mm512_add_ps(v, _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(mask, bias + n)));
+      _mm256_mask_storeu_epi16(y + m * n_size + n, mask, (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+
+#define BLOCK_CASES(NT)                                                             \
+  switch (num_m) {                                                                  \
+    case 1: block(xm, w, k_size, tile_stride, 1, NT, sums, next); break;            \
+    case 2: block(xm, w, k_size, tile_stride, 2, NT, sums, next); break;            \
+    case 3: block(xm, w, k_size, tile_stride, 3, NT, sums, next); break;            \
+    case 4: block(xm, w, k_size, tile_stride, 4, NT, sums, next); break;            \
+    case 5: block(xm, w, k_size, tile_stride, 5, NT, sums, next); break;            \
+    case 6: block(xm, w, k_size, tile_stride, 6, NT, sums, next); break;            \
+    case 7: block(xm, w, k_size, tile_stride, 7, NT, sums, next); break;            \
+    default: block(xm, w, k_size, tile_stride, MR, NT, sums, next); break;          \
   }
 
 /* wt from gemm_tiles_pack; returns 0. */
@@ -144,15 +160,7 @@ int gemm_tiles_bf16(const uint16_t *x, const uint16_t *wt, const uint16_t *bias,
       const int num_m = m_size - m0 < MR ? (int)(m_size - m0) : MR;
       const uint16_t *xm = x + m0 * k_size;
       if (num_t == 3) BLOCK_CASES(3) else if (num_t == 2) BLOCK_CASES(2) else BLOCK_CASES(1)
-      for (int m = 0; m < num_m; m++)
-        for (int t = 0; t < num_t; t++) {
-          const int64_t n0 = (t0 + t) * TILE;
-          const int cols = n_size - n0 < TILE ? (int)(n_size - n0) : TILE;
-          const __mmask16 mask = (__mmask16)((1u << cols) - 1);
-          __m512 v = _mm512_loadu_ps(sums + (m * TN + t) * TILE);
-          if (bias) v = _mm512_add_ps(v, _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(mask, bias + n0)));
-          _mm256_mask_storeu_epi16(y + (m0 + m) * n_size + n0, mask, (__m256i)_mm512_cvtneps_pbh(v));
-        }
+      store_rows(sums, num_m, num_t, t0 * TILE, NULL, bias, y + m0 * n_size, n_size);
     }
   }
   return 0;
@@ -207,15 +215,7 @@ int gemm_tiles_int8w_bf16(const uint16_t *x, const int8_t *wt, const float *scal
        * L2, so that widening it reads no memory (a prefetch past the weight cannot fault). */
       const int8_t *next = m0 == 0 && g + 1 < num_panels ? wt + (t0 + TN) * tile_stride : NULL;
       if (num_t == 3) BLOCK_CASES(3) else if (num_t == 2) BLOCK_CASES(2) else BLOCK_CASES(1)
-      for (int m = 0; m < num_m; m++)
-        for (int t = 0; t < num_t; t++) {
-          const int64_t n0 = (t0 + t) * TILE;
-          const int cols = n_size - n0 < TILE ? (int)(n_size - n0) : TILE;
-          const __mmask16 mask = (__mmask16)((1u << cols) - 1);
-          __m512 v = _mm512_mul_ps(_mm512_loadu_ps(sums + (m * TN + t) * TILE), _mm512_maskz_loadu_ps(mask, scales + n0));
-          if (bias) v = _mm512_add_ps(v, _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(mask, bias + n0)));
-          _mm256_mask_storeu_epi16(y + (m0 + m) * n_size + n0, mask, (__m256i)_mm512_cvtneps_pbh(v));
-        }
+      store_rows(sums, num_m, num_t, t0 * TILE, scales, bias, y + m0 * n_size, n_size);
     }
   }
   free(panels);
