@@ -141,18 +141,15 @@ def test_the_int8_stack_takes_steps_above_the_int8_gemv_on_the_amx_gemm(tiny_lla
     prompt_lens = [2 + i % 2 for i in range(12)]  # 30 tokens: one prefill step within the 32-token budget
     fused, fused_tokens = _run(fused_runner, prompt_lens, max_tokens=6)
     assert max(fused.stack_rows) > 2
-    layered, layered_tokens = _run(_runner(tiny_llama_dir, torch.bfloat16, "int8", fused=False), prompt_lens,
-                                   max_tokens=6)
-    assert fused_tokens == layered_tokens
-    for step, (a, b) in enumerate(zip(fused.hidden, layered.hidden)):
-        assert torch.equal(a, b), f"step {step}: largest difference {(a.float() - b.float()).abs().max()}"
+    _assert_bf16_layer_paths_results(tiny_llama_dir, prompt_lens, fused, fused_tokens, max_tokens=6,
+                                     quantization="int8")
 
 
 def _assert_bf16_layer_paths_results(model_dir, prompt_lens: list[int], fused: _Recorder, fused_tokens,
-                                     max_tokens: int):
+                                     max_tokens: int, quantization: str = "none"):
     """A bfloat16 runner without the stack (built under the caller's patches) gives the same tokens and
     every step's hidden states bit for bit."""
-    layered, layered_tokens = _run(_runner(model_dir, torch.bfloat16, "none", fused=False), prompt_lens,
+    layered, layered_tokens = _run(_runner(model_dir, torch.bfloat16, quantization, fused=False), prompt_lens,
                                    max_tokens=max_tokens)
     assert fused_tokens == layered_tokens
     for step, (a, b) in enumerate(zip(fused.hidden, layered.hidden)):

@@ -14,7 +14,7 @@ from services.worker.layers.gemv import Gemv
 from services.worker.layers.int8_linear import Int8PathSelector
 from services.worker.models.decode_stack import WEIGHTS_INT8_WIDENED
 from tests.worker.kernel_builds import MARCHES, library_for
-from tests.worker.test_decode_stack import _run, _runner
+from tests.worker.test_decode_stack import _assert_bf16_layer_paths_results, _run, _runner
 
 # (out, in): one panel and a half; an odd number of pairs (no byte-table order); a partial last
 # tile; SmolLM2's MLP input; fewer columns than a tile; one pair.
@@ -81,8 +81,5 @@ def test_an_int8_model_takes_the_tiles_above_the_gemv_and_the_stack_keeps_the_la
     prompt_lens = [2 + i % 2 for i in range(12)]  # 30 tokens: one prefill step within the 32-token budget
     fused, fused_tokens = _run(fused_runner, prompt_lens, max_tokens=6)
     assert max(fused.stack_rows) > 2
-    layered, layered_tokens = _run(_runner(tiny_llama_dir, torch.bfloat16, "int8", fused=False), prompt_lens,
-                                   max_tokens=6)
-    assert fused_tokens == layered_tokens
-    for step, (a, b) in enumerate(zip(fused.hidden, layered.hidden)):
-        assert torch.equal(a, b), f"step {step}: largest difference {(a.float() - b.float()).abs().max()}"
+    _assert_bf16_layer_paths_results(tiny_llama_dir, prompt_lens, fused, fused_tokens, max_tokens=6,
+                                     quantization="int8")

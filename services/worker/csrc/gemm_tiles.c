@@ -39,37 +39,33 @@ int64_t gemm_tiles_numel(int64_t n_size, int64_t k_size) {
   return (n_size + TILE - 1) / TILE * num_pairs(k_size) * TILE * 2;
 }
 
-/* w [n_size, k_size] row-major bfloat16 -> out [tiles][pairs][16][2]; zeros past N and K. */
-void gemm_tiles_pack(const uint16_t *w, uint16_t *out, int64_t n_size, int64_t k_size) {
-  const int64_t kp = num_pairs(k_size), tiles = (n_size + TILE - 1) / TILE;
-#pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < tiles; t++)
-    for (int64_t p = 0; p < kp; p++)
-      for (int c = 0; c < TILE; c++)
-        for (int h = 0; h < 2; h++) {
-          const int64_t n = t * TILE + c, k = 2 * p + h;
-          out[((t * kp + p) * TILE + c) * 2 + h] = (n < n_size && k < k_size) ? w[n * k_size + k] : 0;
-        }
-}
+/* w [n_size, k_size] row-major -> out [tiles][pairs][16][2]; zeros past N and K. */
+#define DEFINE_TILE_PACK(NAME, T)                                                                    \
+  void NAME(const T *w, T *out, int64_t n_size, int64_t k_size) {                                    \
+    const int64_t kp = num_pairs(k_size), tiles = (n_size + TILE - 1) / TILE;                        \
+    _Pragma("omp parallel for schedule(static)")                                                     \
+    for (int64_t t = 0; t < tiles; t++)                                                              \
+      for (int64_t p = 0; p < kp; p++)                                                               \
+        for (int c = 0; c < TILE; c++)                                                               \
+          for (int h = 0; h < 2; h++) {                                                              \
+            const int64_t n = t * TILE + c, k = 2 * p + h;                                           \
+            out[((t * kp + p) * TILE + c) * 2 + h] = n < n_size && k < k_size ? w[n * k_size + k] : 0;   \
+          }                                                                                          \
+  }
+
+DEFINE_TILE_PACK(gemm_tiles_pack, uint16_t)
+DEFINE_TILE_PACK(pack_int8_tile_order, int8_t)
 
 /* Whether int8 tiles are stored for the byte table (int8_bf16.h): where the library has it and a
  * tile is whole lines (an even number of pairs), so every panel starts on a line. */
 static inline int table_ordered(int64_t k_size) { return HAS_INT8_BF16_TABLE && num_pairs(k_size) % 2 == 0; }
 
-/* The same layout for int8 q [n_size, k_size]: out [tiles][pairs][16][2] int8, each line's bytes
- * in the byte table's order where `table_ordered`. */
+/* The same layout for int8 q [n_size, k_size], each line's bytes in the byte table's order where
+ * `table_ordered`. */
 void gemm_tiles_pack_int8(const int8_t *q, int8_t *out, int64_t n_size, int64_t k_size) {
-  const int64_t kp = num_pairs(k_size), tiles = (n_size + TILE - 1) / TILE;
-#pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < tiles; t++)
-    for (int64_t p = 0; p < kp; p++)
-      for (int c = 0; c < TILE; c++)
-        for (int h = 0; h < 2; h++) {
-          const int64_t n = t * TILE + c, k = 2 * p + h;
-          out[((t * kp + p) * TILE + c) * 2 + h] = (n < n_size && k < k_size) ? q[n * k_size + k] : 0;
-        }
+  pack_int8_tile_order(q, out, n_size, k_size);
 #if HAS_INT8_BF16_TABLE
-  if (table_ordered(k_size)) order_lines_for_table(out, tiles * kp * TILE * 2);
+  if (table_ordered(k_size)) order_lines_for_table(out, gemm_tiles_numel(n_size, k_size));
 #endif
 }
 

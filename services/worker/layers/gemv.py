@@ -163,9 +163,9 @@ def use_widened_int8_tiles(model: nn.Module, gemv: Gemv, selector: Int8PathSelec
                            allocate: WeightAllocator = plain_weight_memory) -> int:
     """After `quantize_model` (weight-only int8, bfloat16 activations) where no AMX GEMM took the int8
     weights: each one multiplies the rows above its GEMV's (lowered to where `selector` times the GEMV
-    ahead) on the column tiles holding it in int8 (one more int8 copy); returns how many. They beat
-    int8pack_mm and the widening GEMM at every row count measured, 8 to 2,048 (docs/benchmarks.md,
-    "Weight-only int8 on the column tiles")."""
+    ahead) on the column tiles holding it in int8 (one more int8 copy); returns how many. On a Zen 4
+    they tied the int8 GEMV at 8 rows, beat it above, and beat int8pack_mm and the widening GEMM at
+    every row count measured up to 2,048 (docs/benchmarks.md, "A Zen 4 again")."""
     if not gemv.has_tiles:
         return 0
     num_tiled = 0
