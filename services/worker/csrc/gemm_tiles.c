@@ -178,8 +178,9 @@ static void widen_int8(const int8_t *src, uint16_t *dst, int64_t n, int ordered)
     }
     return;
   }
-#endif
+#else
   (void)ordered;
+#endif
   for (int64_t i = 0; i < n; i += 32) {
     const __m256i raw = _mm256_loadu_si256((const __m256i *)(src + i));
     const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(raw)));

@@ -117,7 +117,6 @@ class Gemv:
                     x.shape[0], weight.n_size, weight.k_size)
         return out
 
-
     def pack_int8_tiles(self, qweight: torch.Tensor,
                         allocate: WeightAllocator = plain_weight_memory) -> WidenedTiledWeight:
         """int8 `qweight` [N, K] repacked into the column tiles' layout, in memory from `allocate`."""
