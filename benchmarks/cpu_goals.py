@@ -3,6 +3,8 @@ its single-stream row, the machine's floors, and the goals against OpenVINO GenA
 serve (same run, same requests, ratios)."""
 from __future__ import annotations
 
+import re
+
 from benchmarks.report import MIN_PEER_TOKENS, _fmt, _scenario, _status, table
 
 LEVELS = (1, 8, 32, 64)
@@ -33,10 +35,29 @@ BATCH_PAIR_NOTES = {("spindle-w8a8", "openvino-int8"): "like configuration and a
 ACCURACY_PAIRS = (("spindle-bf16-kv8", "openvino-int8"),)
 
 
+# A row served with --stream-interval N (server_catalog: the row's name, then -siN).
+STREAM_INTERVAL_ROW = re.compile(r"(spindle.*)-si(\d+)")
+
+
 def _pairs(result: dict) -> list[tuple[str, str, str]]:
-    """The PAIRS whose Spindle row ran (the bf16 and int8 ones always listed, as n/a if absent)."""
-    names = {s["name"] for s in result["servers"]}
-    return [p for p in PAIRS if p[0] in names or p[0] in ("spindle-bf16", "spindle-int8")]
+    """The PAIRS whose Spindle row ran (the bf16 and int8 ones always listed, as n/a if absent), each
+    followed by the same row with a stream interval where that ran too."""
+    names = [s["name"] for s in result["servers"]]
+    pairs = []
+    for ours, theirs, kind in PAIRS:
+        if ours in names or ours in ("spindle-bf16", "spindle-int8"):
+            pairs.append((ours, theirs, kind))
+        pairs += [(name, theirs, kind) for name in names
+                  if (m := STREAM_INTERVAL_ROW.fullmatch(name)) and m.group(1) == ours]
+    return pairs
+
+
+def _pair_note(ours: str, theirs: str) -> str | None:
+    m = STREAM_INTERVAL_ROW.fullmatch(ours)
+    if m is None:
+        return BATCH_PAIR_NOTES.get((ours, theirs))
+    base = BATCH_PAIR_NOTES.get((m.group(1), theirs))
+    return (base + ", " if base else "") + f"streamed every {m.group(2)} tokens"
 
 
 def _single(result: dict, name: str) -> dict | None:
@@ -90,7 +111,7 @@ def goal_rows(result: dict) -> list[list[str]]:
     batch_pairs += [pair for pair in ACCURACY_PAIRS if pair[0] in names]
     for c in (32, 64):
         for ours, theirs in batch_pairs:
-            note = BATCH_PAIR_NOTES.get((ours, theirs))
+            note = _pair_note(ours, theirs)
             rows.append(_ratio_row(f"2. c={c}, {ours} vs {theirs}" + (f" ({note})" if note else ""),
                                    _throughput(result, ours, c), _throughput(result, theirs, c), GOAL_BATCH))
     for c in (32, 64):

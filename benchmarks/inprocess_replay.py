@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--quantization", default="none")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
+    parser.add_argument("--w8a8-group-size", type=int, default=-1,
+                        help="the worker's --w8a8-group-size (the harness's W8A8 rows: 32)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--first-request", type=int, default=0,
                         help="the workload's index of the first request: the harness gives each scenario and repeat "
@@ -95,6 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
                               tokenizer)[args.first_request:]
     prompts = [(prompt_ids(tokenizer, r.messages), r.max_tokens) for r in requests]
     worker = Worker(WorkerConfig(dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                                 w8a8_group_size=args.w8a8_group_size,
                                  kv_cache_bytes=2 * 2**30, cpu_gemm_tiles=args.cpu_gemm_tiles == "true",
                                  cpu_fused_decode=args.cpu_fused_decode == "true",
                                  cpu_greedy_head_screen=args.cpu_greedy_head_screen == "true"))

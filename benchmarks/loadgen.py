@@ -96,8 +96,10 @@ async def send_chat(session: aiohttp.ClientSession, url: str, body: dict, req: C
         result.error = f"{type(exc).__name__}: {exc}"[:300]
     finally:
         result.text = "".join(pieces)
-        counted = len(tokenizer.encode(result.text, add_special_tokens=False)) if result.text else 0
-        result.output_tokens = result.usage_tokens if result.usage_tokens and not result.cancelled else counted
+        if result.usage_tokens and not result.cancelled:
+            result.output_tokens = result.usage_tokens
+        else:  # only then: tokenizing every reply takes CPU from the server under test on the same cores
+            result.output_tokens = len(tokenizer.encode(result.text, add_special_tokens=False)) if result.text else 0
         results.append(result)
 
 

@@ -4,6 +4,7 @@ fake model) over HTTP, the HTTP peers (transformers serve, llama.cpp) and the in
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from benchmarks import openvino_peer, peers
@@ -77,7 +78,15 @@ def make_servers(names: list[str], dtype: str, install: bool, bf16_max_concurren
                  openvino_max_num_seqs: int = 256) -> list[Server]:
     servers: list[Server] = []
     for name in names:
-        if name == "spindle":
+        interval = re.fullmatch(r"(spindle.*)-si(\d+)", name)
+        if interval:  # any Spindle row with --stream-interval N: its name ends in -siN
+            base_name, stream_interval = interval.groups()
+            (server,) = make_servers([base_name], dtype, install, bf16_max_concurrency)
+            server.name = name
+            server.env = {**server.env, "SPINDLE_STREAM_INTERVAL": stream_interval}
+            server.note += f"; streamed responses sent every {stream_interval} tokens (--stream-interval)"
+            servers.append(server)
+        elif name == "spindle":
             servers.append(SpindleServer("spindle", env={"SPINDLE_DTYPE": dtype}, note=dtype))
         elif name == "spindle-fake":  # the harness's own check: no model, tokens at once
             servers.append(SpindleServer("spindle-fake", env={"SPINDLE_FAKE_MODEL": "true"}, note="fake model"))

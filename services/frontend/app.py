@@ -35,20 +35,21 @@ def spindle_version() -> str:
 
 
 def create_app(engine_client: EngineClientProtocol, model: ServingModel, state: ServerState | None = None,
-               observer: FrontendObserver | None = None, edge: EdgeConfig = EdgeConfig()) -> web.Application:
+               observer: FrontendObserver | None = None, edge: EdgeConfig = EdgeConfig(),
+               stream_interval: int = 1) -> web.Application:
     """Builds the HTTP app around an engine client (real or fake) and the served model; `observer`
     records metrics and spans of each request (none: nothing is recorded); `edge` holds the API keys
-    and the body limit."""
+    and the body limit; streamed responses get their tokens every `stream_interval`."""
     state = state or ServerState()
     # Keys first: an anonymous client learns nothing, not even the limits.
     guards = [api_key_middleware(ApiKeys(edge.api_keys), edge.protect_metrics)] if edge.api_keys else []
     guards.append(body_limit_middleware(edge.max_request_body_bytes))
     # client_max_size: request.read() stops at the same limit for bodies without Content-Length.
     app = web.Application(middlewares=[error_middleware, *guards], client_max_size=edge.max_request_body_bytes)
-    app[SERVING_KEY] = OpenAIServing(engine_client, model, state, observer)
-    app[CHAT_KEY] = OpenAIServingChat(engine_client, model, state, observer)
-    app[COMPLETION_KEY] = OpenAIServingCompletion(engine_client, model, state, observer)
-    app[TOKENIZATION_KEY] = OpenAIServingTokenization(engine_client, model, state, observer)
+    app[SERVING_KEY] = OpenAIServing(engine_client, model, state, observer, stream_interval)
+    app[CHAT_KEY] = OpenAIServingChat(engine_client, model, state, observer, stream_interval)
+    app[COMPLETION_KEY] = OpenAIServingCompletion(engine_client, model, state, observer, stream_interval)
+    app[TOKENIZATION_KEY] = OpenAIServingTokenization(engine_client, model, state, observer, stream_interval)
     app[CREATED_KEY] = int(time.time())
     app.router.add_get("/health", health)
     app.router.add_get("/version", version)

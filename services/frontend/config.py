@@ -48,6 +48,9 @@ class FrontendConfig:
     tool_call_parser: str = "hermes"
     # JSON object of sampling defaults over the model's generation_config.json ones.
     override_generation_config: str | None = None
+    # A streamed request gets its tokens every this many (its first and its last at once): fewer
+    # chunks, wake-ups and socket writes per token, in coarser steps (SGLang's and vLLM's option).
+    stream_interval: int = 1
     # The OTLP traces endpoint; metrics are served on the HTTP port (/metrics), so no metrics port.
     telemetry: TelemetryConfig = TelemetryConfig()
     # The public ports' guards: API keys, /metrics behind them or not, request size limits.
@@ -72,6 +75,8 @@ class FrontendConfig:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout_s}")
         if self.engine_wait_timeout_s < 0:
             raise ValueError(f"--engine-wait-timeout must be >= 0, got {self.engine_wait_timeout_s}")
+        if self.stream_interval < 1:
+            raise ValueError(f"--stream-interval must be >= 1, got {self.stream_interval}")
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> FrontendConfig:
@@ -92,6 +97,7 @@ class FrontendConfig:
             chat_template=ns.chat_template or None,
             tool_call_parser=ns.tool_call_parser,
             override_generation_config=ns.override_generation_config or None,
+            stream_interval=ns.stream_interval,
             telemetry=telemetry_config_from_args(ns),
             edge=edge_config_from_args(ns),
             scheduler_auth=service_auth_config_from_args(ns),
@@ -129,6 +135,9 @@ def add_frontend_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--override-generation-config", default=None,
              help='JSON sampling defaults for unset request fields, over generation_config.json\'s '
                   '(temperature, top_p, top_k, min_p, repetition_penalty), e.g. \'{"temperature": 0.5}\'')
+    add_flag(parser, "--stream-interval", type=int, default=1,
+             help="a streamed response's tokens are sent every this many (the first and the last at once): "
+                  "fewer chunks and less frontend CPU a token, in coarser steps")
     add_flag(parser, "--tool-call-parser", default="hermes",
              help="parser of tool calls in tool_choice=auto output: hermes or llama3_json")
     add_telemetry_flags(parser)

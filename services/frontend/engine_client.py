@@ -3,8 +3,9 @@
 Requests and aborts go out on the stream; one EngineCoreOutputs per engine step comes back and is
 dispatched to per-request queues. A request that only wants its final output (non-streaming, no stop
 strings) is not woken every step: its outputs are held here and handed over merged when it finishes,
-so a step costs such a request one list extend instead of a task wake-up. A step's plain outputs
-(new tokens only) arrive in columns and become objects only for requests that stream.
+so a step costs such a request one list extend instead of a task wake-up. A streamed request with a
+stream interval above one is held the same way between handovers (`HeldOutput`). A step's plain
+outputs (new tokens only) arrive in columns and become objects only for requests that are woken.
 
 Handover: when the engine says it drains (or its stream ends), the client is unready at once and
 opens a new connection (`EngineConnection`), while the draining engine finishes the requests it
@@ -39,7 +40,7 @@ from services.common.service_auth import NO_SERVICE_AUTH, ServiceAuthConfig
 from services.frontend.engine_connection import MAX_RECONNECT_BACKOFF_S, EngineConnection
 from services.frontend.engine_protocol import StepObserver
 from services.frontend.errors import EngineError
-from services.frontend.held_output import HeldOutput
+from services.frontend.held_output import UNTIL_FINISHED, HeldOutput
 
 logger = logging.getLogger(__name__)
 
@@ -98,11 +99,12 @@ class EngineClient:
         for connection in list(self._connections):
             await connection.close()
 
-    async def generate(self, request: EngineCoreRequest, final_only: bool = False
+    async def generate(self, request: EngineCoreRequest, final_only: bool = False, stream_interval: int = 1
                        ) -> AsyncIterator[EngineCoreOutput]:
         """Yields the request's outputs until one finishes it; leaving early aborts the request.
 
-        With `final_only` the outputs come merged into one, when the request finishes.
+        With `final_only` the outputs come merged into one, when the request finishes; otherwise
+        merged every `stream_interval` tokens, the first token and the finish at once.
         """
         request_id = request.request_id
         if request_id in self._queues:
@@ -115,7 +117,7 @@ class EngineClient:
             for _ in range(MAX_SEND_ATTEMPTS):
                 if not await self.wait_ready():
                     raise EngineError("the engine is not ready", "unavailable")
-                connection = self._send_on(self._active, request_id, final_only)
+                connection = self._send_on(self._active, request_id, UNTIL_FINISHED if final_only else stream_interval)
                 await connection.write(message)
                 while True:
                     output = await queue.get()
@@ -168,14 +170,16 @@ class EngineClient:
             call.cancel()
 
     # --- internals -----------------------------------------------------------------------------------
-    def _send_on(self, connection: EngineConnection, request_id: str, final_only: bool) -> EngineConnection:
+    def _send_on(self, connection: EngineConnection, request_id: str, hold_interval: int) -> EngineConnection:
+        """Sends `request_id`'s outputs from `connection` to its queue, held as `hold_interval` says
+        (`HeldOutput`; 1: every step's at once)."""
         previous = self._connection_of.get(request_id)
         if previous is not None:
             previous.request_ids.discard(request_id)
         self._connection_of[request_id] = connection
         connection.request_ids.add(request_id)
-        if final_only:
-            self._held[request_id] = HeldOutput()
+        if hold_interval != 1:
+            self._held[request_id] = HeldOutput(hold_interval)
         return connection
 
     async def _abort_quietly(self, connection: EngineConnection, request_id: str) -> None:
@@ -289,14 +293,11 @@ class EngineClient:
         for request_id, token_ids in zip(outputs.req_ids, outputs.new_token_ids):
             extras = extras_of(request_id)
             pending = held.get(request_id)
-            if pending is not None:  # final-only: merged here, handed over when it finishes
-                pending.token_ids += token_ids
-                if extras is None:
+            if pending is not None:  # merged here, handed over when due
+                pending.add(token_ids, extras)
+                if not pending.is_due(extras):
                     continue
-                pending.add(extras)
-                if not extras.finished:
-                    continue
-                output = pending.merged(request_id, extras)
+                output = pending.take(request_id, extras)
             else:
                 output = EngineCoreOutput.of(request_id, token_ids, extras)
             queue = queues.get(request_id)

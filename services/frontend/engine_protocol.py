@@ -32,10 +32,12 @@ class EngineClientProtocol(Protocol):
         """`is_ready`, after waiting (a bounded time) for a handover to a ready engine in progress."""
         ...
 
-    def generate(self, request: EngineCoreRequest, final_only: bool = False) -> AsyncIterator[EngineCoreOutput]:
+    def generate(self, request: EngineCoreRequest, final_only: bool = False, stream_interval: int = 1
+                 ) -> AsyncIterator[EngineCoreOutput]:
         """The request's outputs until it finishes; raises EngineError when the engine refuses or
         fails it. Closing the iterator early aborts the request. With `final_only` the outputs come
-        merged into one, when the request finishes."""
+        merged into one, when the request finishes; otherwise merged every `stream_interval` tokens
+        (the first token and the finish at once)."""
         ...
 
     async def abort(self, request_id: str) -> None: ...

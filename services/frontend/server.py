@@ -76,7 +76,8 @@ class FrontendServer:
         # Observability hook: /metrics, spans and request metrics (services/frontend/observability.py).
         self.observer = FrontendObserver(self.engine_client, self.model.name, self.tracing)
         self.engine_client.observer = self.observer
-        app = create_app(self.engine_client, self.model, self.state, self.observer, self.config.edge)
+        app = create_app(self.engine_client, self.model, self.state, self.observer, self.config.edge,
+                         self.config.stream_interval)
         install(app, self.observer)
         # Handlers are cancelled when their client disconnects: that is what aborts its request.
         self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0)
@@ -89,7 +90,7 @@ class FrontendServer:
         self._grpc = GrpcServer(self.config.grpc_addr, [SERVICE_NAME],
                                 [ApiKeyInterceptor(api_keys), *server_interceptors(self.tracing)],
                                 max_receive_message_bytes=self.config.edge.max_grpc_message_bytes)
-        serving = OpenAIServing(self.engine_client, self.model, self.state, self.observer)
+        serving = OpenAIServing(self.engine_client, self.model, self.state, self.observer, self.config.stream_interval)
         generate_pb2_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(serving, api_keys), self._grpc.server)
         await self._grpc.start()
         self.grpc_port = self._grpc.port

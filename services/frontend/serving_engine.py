@@ -117,8 +117,10 @@ class Choice:
 
 class OpenAIServing:
     def __init__(self, engine_client: EngineClientProtocol, model: ServingModel, state: ServerState,
-                 observer: FrontendObserver | None = None):
+                 observer: FrontendObserver | None = None, stream_interval: int = 1):
         self.engine_client = engine_client
+        # Streamed outputs reach a request every this many tokens (--stream-interval).
+        self.stream_interval = stream_interval
         self.model = model
         self.state = state
         self.observer = observer
@@ -236,15 +238,21 @@ class OpenAIServing:
 
         The first failing choice fails them all; leaving early aborts every unfinished one.
         `final_only` (a full, non-streamed response) lets a choice without stop strings get its
-        tokens in one delta at the end instead of one per engine step.
+        tokens in one delta at the end instead of one per engine step; a streamed one gets them
+        every `stream_interval` tokens (a choice with stop strings every step, so that a stop
+        string aborts its request at once).
         """
         # Observability hook: GenAI span and request metrics (services/frontend/observability.py).
         observation = self.observer.begin(choices) if self.observer is not None else None
         if observation is not None:  # the engine requests are children of the request's span
             for choice in choices:
                 choice.engine_request.traceparent, choice.engine_request.tracestate = observation.trace_context
-        streams = [self.generate(c.engine_request, c.detokenizer,
-                                 final_only=final_only and not c.detokenizer.has_stop_strings) for c in choices]
+        streams = []
+        for c in choices:
+            has_stop_strings = c.detokenizer.has_stop_strings
+            streams.append(self.generate(c.engine_request, c.detokenizer,
+                                         final_only=final_only and not has_stop_strings,
+                                         stream_interval=1 if has_stop_strings else self.stream_interval))
         error: BaseException | None = None
         try:
             async with aclosing(merge_streams(streams)) as deltas:
@@ -272,14 +280,15 @@ class OpenAIServing:
         )
 
     async def generate(
-        self, request: EngineCoreRequest, detokenizer: IncrementalDetokenizer, final_only: bool = False
+        self, request: EngineCoreRequest, detokenizer: IncrementalDetokenizer, final_only: bool = False,
+        stream_interval: int = 1,
     ) -> AsyncIterator[TextDelta]:
         """Runs one request; yields text deltas, the last one with its finish reason.
 
         Raises EngineError if the engine refuses or fails the request. Use it under
         `contextlib.aclosing` so that leaving early aborts the request in the engine.
         """
-        outputs = self.engine_client.generate(request, final_only=final_only)
+        outputs = self.engine_client.generate(request, final_only=final_only, stream_interval=stream_interval)
         wants_logprobs = request.sampling_params.logprobs is not None
         num_cached_tokens = 0
         is_finished = False

@@ -102,3 +102,18 @@ def test_goal_2_says_which_pairs_are_alike_in_configuration_only_and_adds_the_pa
     # The accuracy pair is a goal-2 row only: goal 1 keeps one floor row per Spindle row.
     assert not any("spindle-bf16-kv8 vs openvino-int8" in k for k in goals if k.startswith("1."))
     assert sum(k.startswith("1. spindle-bf16-kv8 decode step") for k in goals) == 1
+
+
+def test_a_row_with_a_stream_interval_is_paired_as_its_row_and_says_so():
+    result = _result()
+    result["servers"] += [_server("spindle-w8a8-kv8", {32: 560.0}, single_tok_s=150.0),
+                          _server("spindle-w8a8-kv8-si8", {32: 588.0}, single_tok_s=151.0),
+                          _server("spindle-bf16-si4", {32: 320.0}, single_tok_s=50.0)]
+    goals = _goals(result)
+    assert goals["2. c=32, spindle-w8a8-kv8-si8 vs openvino-int8 (like configuration and accuracy, streamed every 8 "
+                 "tokens)"] == ["2.10x (588.0 vs 280.0 tok/s)", ">= 1.5x", "met"]
+    assert goals["2. c=32, spindle-bf16-si4 vs openvino-bf16 (streamed every 4 tokens)"][0].startswith("1.60x")
+    keys = list(goals)  # each row right after its row without the interval
+    assert keys.index("2. c=32, spindle-bf16-si4 vs openvino-bf16 (streamed every 4 tokens)") == \
+        keys.index("2. c=32, spindle-bf16 vs openvino-bf16") + 1
+    assert goals["1. single stream, spindle-w8a8-kv8-si8 vs openvino-int8"][0].startswith("2.32x")

@@ -46,3 +46,11 @@ def test_the_full_head_row_is_bf16_kv8_with_the_greedy_head_screen_off():
     assert row.env == {"SPINDLE_DTYPE": "bfloat16", "SPINDLE_KV_CACHE_DTYPE": "int8",
                        "SPINDLE_CPU_GREEDY_HEAD_SCREEN": "false"}
     assert row.max_concurrency == 64 and "--cpu-greedy-head-screen false" in row.note
+
+
+def test_a_spindle_row_with_a_stream_interval_is_that_row_with_the_flag():
+    base, = make_servers(["spindle-w8a8-kv8"], "bfloat16", install=False, bf16_max_concurrency=64)
+    row, = make_servers(["spindle-w8a8-kv8-si8"], "bfloat16", install=False, bf16_max_concurrency=64)
+    assert row.name == "spindle-w8a8-kv8-si8" and row.max_concurrency == base.max_concurrency == 64
+    assert row.env == {**base.env, "SPINDLE_STREAM_INTERVAL": "8"}
+    assert row.note.startswith(base.note) and "every 8 tokens" in row.note

@@ -29,8 +29,8 @@ class GatedEngine(FakeEngineClient):
         super().__init__(*args, **kwargs)
         self.release = asyncio.Event()
 
-    async def generate(self, request: Any, final_only: bool = False) -> AsyncIterator[Any]:
-        async with aclosing(super().generate(request, final_only)) as outputs:
+    async def generate(self, request: Any, final_only: bool = False, stream_interval: int = 1) -> AsyncIterator[Any]:
+        async with aclosing(super().generate(request, final_only, stream_interval)) as outputs:
             async for output in outputs:
                 if output.finished:
                     await self.release.wait()

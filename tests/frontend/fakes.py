@@ -89,6 +89,7 @@ class FakeEngineClient:
         self.requests: list[EngineCoreRequest] = []
         self.aborted: list[str] = []
         self.final_only: list[bool] = []  # per request: whether merged outputs were asked for
+        self.stream_intervals: list[int] = []  # per request: the stream interval asked for
         self.flush_refusals = 0
         self.num_flush_calls = 0
         self.kv_batches: list = []  # KVEventBatch, for subscribe_kv_events
@@ -96,10 +97,11 @@ class FakeEngineClient:
     async def wait_ready(self) -> bool:
         return self.is_ready
 
-    async def generate(self, request: EngineCoreRequest, final_only: bool = False
+    async def generate(self, request: EngineCoreRequest, final_only: bool = False, stream_interval: int = 1
                        ) -> AsyncIterator[EngineCoreOutput]:
         self.requests.append(request)
         self.final_only.append(final_only)
+        self.stream_intervals.append(stream_interval)
         if self.refuse is not None:
             raise self.refuse
         eos = request.eos_token_ids[0] if request.eos_token_ids else None
@@ -165,9 +167,9 @@ def serving_model(tokenizer: Any, max_model_len: int | None = None) -> ServingMo
 
 @asynccontextmanager
 async def app_client(engine: FakeEngineClient, state: ServerState | None = None,
-                     max_model_len: int | None = None) -> AsyncIterator[TestClient]:
+                     max_model_len: int | None = None, stream_interval: int = 1) -> AsyncIterator[TestClient]:
     """An aiohttp test client for the frontend app (handlers are cancelled on disconnect)."""
-    app = create_app(engine, serving_model(engine.tokenizer, max_model_len), state)
+    app = create_app(engine, serving_model(engine.tokenizer, max_model_len), state, stream_interval=stream_interval)
     async with TestClient(TestServer(app)) as client:
         yield client
 

@@ -165,7 +165,8 @@ class ThreadRecordingTokenizer:
 class OneShotEngine(FakeEngineClient):
     """Sends a request's whole reply in one output, as the engine client does for a full response."""
 
-    async def generate(self, request: Any, final_only: bool = False) -> AsyncIterator[EngineCoreOutput]:
+    async def generate(self, request: Any, final_only: bool = False, stream_interval: int = 1
+                       ) -> AsyncIterator[EngineCoreOutput]:
         self.requests.append(request)
         tokens = self.reply_token_ids[: request.sampling_params.max_tokens - 1] + [request.eos_token_ids[0]]
         yield EngineCoreOutput(request.request_id, tokens, finish_reason=FinishReason.STOP)

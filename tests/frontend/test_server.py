@@ -59,10 +59,10 @@ class HeldEngineClient(FakeEngineClient):
         self.arrived = asyncio.Event()
         self.release = asyncio.Event()
 
-    async def generate(self, request, final_only=False):
+    async def generate(self, request, final_only=False, stream_interval=1):
         self.arrived.set()
         num_sent = 0
-        async with aclosing(super().generate(request, final_only)) as outputs:
+        async with aclosing(super().generate(request, final_only, stream_interval)) as outputs:
             async for output in outputs:
                 if num_sent == 1:
                     await self.release.wait()

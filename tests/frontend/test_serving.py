@@ -255,3 +255,23 @@ def test_full_responses_ask_for_merged_outputs_unless_they_have_stop_strings():
 
     asyncio.run(scenario())
     assert engine.final_only == [True, False, False]
+
+
+def test_streamed_responses_ask_for_the_stream_interval_unless_they_have_stop_strings():
+    """A stop string must reach the detokenizer at once (it aborts the request), so its request is
+    handed every step's tokens; the others every --stream-interval tokens."""
+    engine = FakeEngineClient(make_tokenizer(), "Hello world.")
+
+    async def scenario():
+        async with app_client(engine, stream_interval=4) as client:
+            for body in ({"prompt": "Hi", "stream": True}, {"prompt": "Hi", "stream": True, "stop": ["x"]},
+                         {"prompt": "Hi"}):
+                resp = await client.post("/v1/completions", json=body)
+                assert resp.status == 200, await resp.text()
+            resp = await client.post("/v1/chat/completions",
+                                     json={"messages": [{"role": "user", "content": "Hi"}], "stream": True})
+            assert resp.status == 200, await resp.text()
+
+    asyncio.run(scenario())
+    assert engine.stream_intervals == [4, 1, 4, 4]
+    assert engine.final_only == [False, False, True, False]
