@@ -104,6 +104,27 @@ def test_grouped_tiles_give_the_group_quantized_product_within_one_rounding(libr
         assert torch.equal(got, kernels.tiles(x, kernels.pack_tiles(qweight, scales), bias))
 
 
+# Groups the 16-lane quantizer takes (multiples of 16 up to 256), and one the scalar loop takes.
+@pytest.mark.parametrize("group_size", [16, 32, 48, 256, 36])
+def test_each_groups_integers_are_the_reference_rules(library, group_size):
+    """Every group holds +-127 (a scale of one) and half-integers: with the identity as the weight the
+    float32 sums are exact, so each output is the group's integer itself, rounded half to even, a NaN
+    0 and a zero group 0 (the kernel's sums leave a tie or a skipped NaN nowhere to hide)."""
+    k_size, num_rows = 288, 5
+    g = torch.Generator().manual_seed(group_size)
+    x = torch.randint(-253, 254, (num_rows, k_size), generator=g).float() / 2  # -126.5 .. 126.5
+    for k0 in range(0, k_size, group_size):
+        x[:, k0] = 127.0
+        x[1::2, k0] = -127.0
+    x[2, 3] = float("nan")
+    x[3, :] = 0.0
+    grouped = W8A8Kernels(library, group_size=group_size)
+    got = grouped.tiles(x.bfloat16(), grouped.pack_tiles(torch.eye(k_size, dtype=torch.int8), torch.ones(k_size)))
+    want = torch.nan_to_num(torch.round(x), nan=0.0)  # torch.round: half to even
+    assert torch.equal(got.float(), want)
+    assert (x.frac().abs() == 0.5).sum() > 100  # the rows hold many ties
+
+
 def test_groups_keep_the_values_an_outlier_flattens_per_row(library, kernels):
     """One large value in a row sets the per-row scale, so the row's small values round to a few
     levels; groups scale them apart (all but the outlier's own). The grouped product is far nearer

@@ -123,9 +123,50 @@ DEFINE_QUANTIZE_CENTERED(bf16, uint16_t, INT8_QUANT_LOAD_BF16)
 DEFINE_QUANTIZE_CENTERED16(f32, float, INT8_QUANT_LOAD16_F32)
 DEFINE_QUANTIZE_CENTERED16(bf16, uint16_t, INT8_QUANT_LOAD16_BF16)
 #define INT8_QUANT_HAS_CENTERED16 1
+
+/* The symmetric rule on 16 lanes for rows of a multiple of 16 up to 256 values (W8A8's activation
+ * groups of 32), returning the sum of q as well. The loop above left a group of 32 to the
+ * auto-vectorizer and summed q in a second pass: about 4 cycles a value, 11% of a W8A8 c=32 replay.
+ * Bit for bit the scalar rule: |x| maxima are exact in any order and skip a NaN as the scalar
+ * comparison does (VMAXPS returns its second operand when the first is NaN), inv is the same
+ * float32 division, then x * inv, nearest-even rounding, NaN -> 0 and the clamp per lane. */
+static inline int32_t quantize_row_int8_16_bf16(const uint16_t *x, int64_t k, int8_t *q, float *scale) {
+  __m512 v[16];
+  __m512 amax16 = _mm512_setzero_ps();
+  const int n = (int)(k / 16);
+  for (int c = 0; c < n; c++) {
+    v[c] = (__m512)load_bf1616(x + 16 * c);
+    amax16 = _mm512_max_ps(_mm512_abs_ps(v[c]), amax16);
+  }
+  const float amax = _mm512_reduce_max_ps(amax16);
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  const __m512 inv16 = _mm512_set1_ps(inv), limit = _mm512_set1_ps(127.f), neg_limit = _mm512_set1_ps(-127.f);
+  __m512i sum16 = _mm512_setzero_si512();
+  for (int c = 0; c < n; c++) {
+    __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(v[c], inv16), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    r = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(r, r, _CMP_ORD_Q), r); /* NaN -> 0 */
+    r = _mm512_min_ps(_mm512_max_ps(r, neg_limit), limit);
+    const __m512i qi = _mm512_cvtps_epi32(r);
+    sum16 = _mm512_add_epi32(sum16, qi);
+    _mm_storeu_si128((__m128i *)(q + 16 * c), _mm512_cvtepi32_epi8(qi));
+  }
+  *scale = amax / 127.f;
+  return _mm512_reduce_add_epi32(sum16);
+}
 #else
 #define INT8_QUANT_HAS_CENTERED16 0
 #endif
+
+/* quantize_row_int8_bf16 returning the sum of q: the 16-lane rule where the row fits it. */
+static inline int32_t quantize_row_int8_sum_bf16(const uint16_t *x, int64_t k, int8_t *q, float *scale) {
+#if INT8_QUANT_HAS_CENTERED16
+  if (k > 0 && k % 16 == 0 && k <= 256) return quantize_row_int8_16_bf16(x, k, q, scale);
+#endif
+  quantize_row_int8_bf16(x, k, q, scale);
+  int32_t sum = 0;
+  for (int64_t i = 0; i < k; i++) sum += q[i];
+  return sum;
+}
 
 /* quantize_row_centered_f32 / _bf16: the 16-lane rule where the row fits it, else the scalar one. */
 static inline void quantize_row_centered_f32(const float *x, int64_t k, int8_t *q, float *scale, float *mid) {
