@@ -3,10 +3,9 @@
 that speak vLLM's engine gRPC protocol."""
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import json
-import signal
+import shutil
 import subprocess
 import sys
 import time
@@ -23,7 +22,6 @@ SMG_VENV = ROOT / ".venv-smg"
 # The Makefile's stamp, so that `make gateway` and the tests share one install.
 _STAMP = SMG_VENV / ".installed"
 INSTALL_TIMEOUT_S = 600
-_PR_SET_PDEATHSIG = 1
 
 
 def smg_binary() -> Path:
@@ -53,9 +51,16 @@ def smg_binary() -> Path:
     return binary
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: a test process killed outright takes the gateway with it."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def _die_with_parent() -> list[str]:
+    """A prefix of the gateway's command so that a test process killed outright takes the gateway
+    with it (util-linux's setpriv sets the death signal, then execs), or none where setpriv is missing.
+
+    Not a `preexec_fn`: that makes Popen fork() instead of vfork(), and gRPC's fork handlers (this
+    process holds channels to the clusters) then restart its poller in the child, whose epoll fd
+    `close_fds` closes before exec: the child aborted now and then with "epoll_wait error: Bad file
+    descriptor" (grpcio 1.80 onwards, grpc/grpc#43055)."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM", "--"] if setpriv else []
 
 
 class SmgGateway:
@@ -80,14 +85,14 @@ class SmgGateway:
         would still fail; /readiness waits for that too.)"""
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [str(self.binary), "launch", "--host", "127.0.0.1", "--port", str(self.port),
+            [*_die_with_parent(), str(self.binary), "launch", "--host", "127.0.0.1", "--port", str(self.port),
              "--worker-urls", *self.worker_urls,
              # Its Prometheus listener defaults to 0.0.0.0:29000, one gateway per machine.
              "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
              # In-flight requests are the test's own: no 180 s drain on teardown.
              "--shutdown-grace-period-secs", "1",
              *self.extra_args],
-            stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+            stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         last: object = None
         while time.monotonic() < deadline:
