@@ -122,10 +122,10 @@ DEFINE_QUANTIZE_CENTERED(bf16, uint16_t, INT8_QUANT_LOAD_BF16)
 #define INT8_QUANT_LOAD16_BF16(x) ((__m512)load_bf1616(x))
 DEFINE_QUANTIZE_CENTERED16(f32, float, INT8_QUANT_LOAD16_F32)
 DEFINE_QUANTIZE_CENTERED16(bf16, uint16_t, INT8_QUANT_LOAD16_BF16)
-#define INT8_QUANT_HAS_CENTERED16 1
+#define INT8_QUANT_HAS_16_LANES 1
 
 /* The symmetric rule on 16 lanes for rows of a multiple of 16 up to 256 values (W8A8's activation
- * groups of 32), returning the sum of q as well. The loop above left a group of 32 to the
+ * groups of 32), returning the sum of q as well. quantize_row_int8_bf16 left a group of 32 to the
  * auto-vectorizer and summed q in a second pass: about 4 cycles a value, 11% of a W8A8 c=32 replay.
  * Bit for bit the scalar rule: |x| maxima are exact in any order and skip a NaN as the scalar
  * comparison does (VMAXPS returns its second operand when the first is NaN), inv is the same
@@ -154,13 +154,16 @@ static inline int32_t quantize_row_int8_16_bf16(const uint16_t *x, int64_t k, in
   return _mm512_reduce_add_epi32(sum16);
 }
 #else
-#define INT8_QUANT_HAS_CENTERED16 0
+#define INT8_QUANT_HAS_16_LANES 0
 #endif
+
+/* Whether the 16-lane rules take a row of k values: they hold it in 16 registers. */
+static inline int int8_quant_fits_16_lanes(int64_t k) { return k > 0 && k % 16 == 0 && k <= 256; }
 
 /* quantize_row_int8_bf16 returning the sum of q: the 16-lane rule where the row fits it. */
 static inline int32_t quantize_row_int8_sum_bf16(const uint16_t *x, int64_t k, int8_t *q, float *scale) {
-#if INT8_QUANT_HAS_CENTERED16
-  if (k > 0 && k % 16 == 0 && k <= 256) return quantize_row_int8_16_bf16(x, k, q, scale);
+#if INT8_QUANT_HAS_16_LANES
+  if (int8_quant_fits_16_lanes(k)) return quantize_row_int8_16_bf16(x, k, q, scale);
 #endif
   quantize_row_int8_bf16(x, k, q, scale);
   int32_t sum = 0;
@@ -170,8 +173,8 @@ static inline int32_t quantize_row_int8_sum_bf16(const uint16_t *x, int64_t k, i
 
 /* quantize_row_centered_f32 / _bf16: the 16-lane rule where the row fits it, else the scalar one. */
 static inline void quantize_row_centered_f32(const float *x, int64_t k, int8_t *q, float *scale, float *mid) {
-#if INT8_QUANT_HAS_CENTERED16
-  if (k > 0 && k % 16 == 0 && k <= 256) {
+#if INT8_QUANT_HAS_16_LANES
+  if (int8_quant_fits_16_lanes(k)) {
     quantize_row_centered16_f32(x, k, q, scale, mid);
     return;
   }
@@ -179,8 +182,8 @@ static inline void quantize_row_centered_f32(const float *x, int64_t k, int8_t *
   quantize_row_centered_scalar_f32(x, k, q, scale, mid);
 }
 static inline void quantize_row_centered_bf16(const uint16_t *x, int64_t k, int8_t *q, float *scale, float *mid) {
-#if INT8_QUANT_HAS_CENTERED16
-  if (k > 0 && k % 16 == 0 && k <= 256) {
+#if INT8_QUANT_HAS_16_LANES
+  if (int8_quant_fits_16_lanes(k)) {
     quantize_row_centered16_bf16(x, k, q, scale, mid);
     return;
   }
