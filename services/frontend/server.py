@@ -18,6 +18,7 @@ from aiohttp import web
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from services.common.grpc_server import GrpcServer, install_stop_signals
+from services.common import event_loop
 from services.common.logging_setup import setup_logging
 from services.common.pb import generate_pb2_grpc
 from services.common.telemetry import client_interceptors, server_interceptors, setup_tracing
@@ -211,4 +212,4 @@ def main(argv: list[str] | None = None) -> int:
         print(f"frontend: {exc}", file=sys.stderr)
         return 2
     setup_logging("frontend", config.log_level)
-    return asyncio.run(serve(config))
+    return event_loop.run(serve(config))

@@ -1,9 +1,9 @@
 """`python -m services.scheduler`: the engine core service."""
 from __future__ import annotations
 
-import asyncio
 import sys
 
+from services.common import event_loop
 from services.common.logging_setup import setup_logging
 
 
@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"scheduler: {exc}", file=sys.stderr)
         return 2
     setup_logging("scheduler", config.log_level)
-    return asyncio.run(serve(config))
+    return event_loop.run(serve(config))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """`python -m services.worker`: the worker service."""
 from __future__ import annotations
 
-import asyncio
 import sys
 
+from services.common import event_loop
 from services.common.logging_setup import setup_logging
 
 
@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"worker: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(serve(config))
+    return event_loop.run(serve(config))
 
 
 if __name__ == "__main__":
