@@ -17,8 +17,8 @@ from pathlib import Path
 from aiohttp import web
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
-from services.common.grpc_server import GrpcServer, install_stop_signals
 from services.common import event_loop
+from services.common.grpc_server import GrpcServer, install_stop_signals
 from services.common.logging_setup import setup_logging
 from services.common.pb import generate_pb2_grpc
 from services.common.telemetry import client_interceptors, server_interceptors, setup_tracing

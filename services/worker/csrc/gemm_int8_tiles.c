@@ -103,7 +103,7 @@ static inline __attribute__((always_inline)) __m512i dpbusd_bcast(__m512i acc, _
     for (int t = 0; t < num_t; t++) {                                         \
       const uint8_t *quad = wt + t * stride + q * TILE * 4;                   \
       w[t] = _mm512_loadu_si512(quad);                                        \
-      __builtin_prefetch(quad + pf_ahead, 0, 1);                               \
+      __builtin_prefetch(quad + pf_ahead, 0, 1);                              \
     }                                                                         \
     for (int m = 0; m < (ROWS); m++)                                          \
       for (int t = 0; t < num_t; t++)                                         \
@@ -114,8 +114,8 @@ static inline __attribute__((always_inline)) __m512i dpbusd_bcast(__m512i acc, _
  * each row's sum of q. Inlined with constant num_m and num_t (accumulators in registers). */
 static inline __attribute__((always_inline)) void block_rows(const int8_t *xq, int64_t x_stride,
                                                              const int32_t *x_sums, const uint8_t *wt,
-                                                             const int32_t *zeros, int64_t kq, int64_t stride, int64_t pf_ahead,
-                                                             int num_m, int num_t, int32_t *sums) {
+                                                             const int32_t *zeros, int64_t kq, int64_t stride,
+                                                             int64_t pf_ahead, int num_m, int num_t, int32_t *sums) {
   __m512i acc[MR][TN];
   for (int m = 0; m < num_m; m++)
     for (int t = 0; t < num_t; t++) acc[m][t] = _mm512_setzero_si512();
@@ -135,7 +135,8 @@ static inline __attribute__((always_inline)) void block_rows(const int8_t *xq, i
 static inline __attribute__((always_inline)) void block_groups(const int8_t *xq, int64_t x_stride,
                                                                const float *x_scales, int64_t num_groups,
                                                                const uint8_t *wt, int64_t kq, int64_t gq,
-                                                               int64_t stride, int64_t pf_ahead, int num_m, int num_t, float *sums) {
+                                                               int64_t stride, int64_t pf_ahead, int num_m, int num_t,
+                                                               float *sums) {
   __m512 f[MR_G][TN_G];
   for (int m = 0; m < num_m; m++)
     for (int t = 0; t < num_t; t++) f[m][t] = _mm512_setzero_ps();
@@ -154,16 +155,16 @@ static inline __attribute__((always_inline)) void block_groups(const int8_t *xq,
     for (int t = 0; t < num_t; t++) _mm512_storeu_ps(sums + (m * TN + t) * TILE, f[m][t]);
 }
 
-#define ROWS_CASES(NT)                                                                   \
-  switch (num_m) {                                                                       \
-    case 1: block_rows(xm, x_stride, sm, w, zw, kq, stride, pf_ahead, 1, NT, isums); break;        \
-    case 2: block_rows(xm, x_stride, sm, w, zw, kq, stride, pf_ahead, 2, NT, isums); break;        \
-    case 3: block_rows(xm, x_stride, sm, w, zw, kq, stride, pf_ahead, 3, NT, isums); break;        \
-    case 4: block_rows(xm, x_stride, sm, w, zw, kq, stride, pf_ahead, 4, NT, isums); break;        \
-    case 5: block_rows(xm, x_stride, sm, w, zw, kq, stride, pf_ahead, 5, NT, isums); break;        \
-    case 6: block_rows(xm, x_stride, sm, w, zw, kq, stride, pf_ahead, 6, NT, isums); break;        \
-    case 7: block_rows(xm, x_stride, sm, w, zw, kq, stride, pf_ahead, 7, NT, isums); break;        \
-    default: block_rows(xm, x_stride, sm, w, zw, kq, stride, pf_ahead, MR, NT, isums); break;      \
+#define ROWS_CASES(NT)                                                                          \
+  switch (num_m) {                                                                              \
+    case 1: block_rows(xm, x_stride, sm, w, zw, kq, stride, pf_ahead, 1, NT, isums); break;     \
+    case 2: block_rows(xm, x_stride, sm, w, zw, kq, stride, pf_ahead, 2, NT, isums); break;     \
+    case 3: block_rows(xm, x_stride, sm, w, zw, kq, stride, pf_ahead, 3, NT, isums); break;     \
+    case 4: block_rows(xm, x_stride, sm, w, zw, kq, stride, pf_ahead, 4, NT, isums); break;     \
+    case 5: block_rows(xm, x_stride, sm, w, zw, kq, stride, pf_ahead, 5, NT, isums); break;     \
+    case 6: block_rows(xm, x_stride, sm, w, zw, kq, stride, pf_ahead, 6, NT, isums); break;     \
+    case 7: block_rows(xm, x_stride, sm, w, zw, kq, stride, pf_ahead, 7, NT, isums); break;     \
+    default: block_rows(xm, x_stride, sm, w, zw, kq, stride, pf_ahead, MR, NT, isums); break;   \
   }
 
 #define GROUPS_CASE(M, NT) \
@@ -193,7 +194,8 @@ int int8_tiles_bf16(const uint16_t *x, const uint8_t *wt, const float *w_scales,
                     int64_t m_size, int64_t n_size, int64_t k_size, int64_t group_size) {
   const int64_t kq = num_quads(k_size), x_stride = 4 * kq, stride = tile_bytes(k_size);
   const int64_t gq = quads_per_group(group_size, k_size), num_groups = (kq + gq - 1) / gq;
-  const int64_t tn = num_groups == 1 ? TN : TN_G, mr = num_groups == 1 ? MR : MR_G; /* a panel's tiles, a block's rows */
+  /* A panel's tiles and a block's rows. */
+  const int64_t tn = num_groups == 1 ? TN : TN_G, mr = num_groups == 1 ? MR : MR_G;
   const int64_t num_panels = (num_tiles(n_size) + tn - 1) / tn, rows = m_size > 0 ? m_size : 1;
   /* Not calloc: on the worker's kept heap that zeroes every row serially (3 MB at 2,048 rows of
    * 1,536) while the other threads wait; only each row's padding past k_size is zeroed, below. */

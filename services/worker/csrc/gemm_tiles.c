@@ -129,16 +129,16 @@ static inline void store_rows(const float *sums, int num_m, int num_t, int64_t n
     }
 }
 
-#define BLOCK_CASES(NT)                                                             \
-  switch (num_m) {                                                                  \
-    case 1: block(xm, w, k_size, tile_stride, pf_ahead, 1, NT, sums, next); break;            \
-    case 2: block(xm, w, k_size, tile_stride, pf_ahead, 2, NT, sums, next); break;            \
-    case 3: block(xm, w, k_size, tile_stride, pf_ahead, 3, NT, sums, next); break;            \
-    case 4: block(xm, w, k_size, tile_stride, pf_ahead, 4, NT, sums, next); break;            \
-    case 5: block(xm, w, k_size, tile_stride, pf_ahead, 5, NT, sums, next); break;            \
-    case 6: block(xm, w, k_size, tile_stride, pf_ahead, 6, NT, sums, next); break;            \
-    case 7: block(xm, w, k_size, tile_stride, pf_ahead, 7, NT, sums, next); break;            \
-    default: block(xm, w, k_size, tile_stride, pf_ahead, MR, NT, sums, next); break;          \
+#define BLOCK_CASES(NT)                                                                   \
+  switch (num_m) {                                                                        \
+    case 1: block(xm, w, k_size, tile_stride, pf_ahead, 1, NT, sums, next); break;        \
+    case 2: block(xm, w, k_size, tile_stride, pf_ahead, 2, NT, sums, next); break;        \
+    case 3: block(xm, w, k_size, tile_stride, pf_ahead, 3, NT, sums, next); break;        \
+    case 4: block(xm, w, k_size, tile_stride, pf_ahead, 4, NT, sums, next); break;        \
+    case 5: block(xm, w, k_size, tile_stride, pf_ahead, 5, NT, sums, next); break;        \
+    case 6: block(xm, w, k_size, tile_stride, pf_ahead, 6, NT, sums, next); break;        \
+    case 7: block(xm, w, k_size, tile_stride, pf_ahead, 7, NT, sums, next); break;        \
+    default: block(xm, w, k_size, tile_stride, pf_ahead, MR, NT, sums, next); break;      \
   }
 
 /* wt from gemm_tiles_pack; returns 0. */
