@@ -23,7 +23,7 @@
  * MR rows by TN tiles of accumulators, a thread's panel of TN tiles streamed once, as in
  * gemm_tiles.c; groups keep float32 sums beside the int32 ones, so take fewer rows and tiles, and
  * panels of TN_G tiles (in panels of TN, every third tile ran in blocks of one tile: 3-7% slower).
- * A panel is read from memory by its first block of rows; the second block, reading it from L1,
+ * A panel is read from memory by its first block of rows; the second block, reading it from cache,
  * prefetches the next panel into L2, so that more than one block of rows keeps memory busy
  * (30 layers' matmuls in groups of 32 at 12 / 20 / 40 / 64 rows 1.41 / 1.22 / 1.10 / 1.07x). */
 #include <stdint.h>
