@@ -146,6 +146,18 @@ def test_one_request_alone_matches(kernel):
     torch.testing.assert_close(out.reshape(expected.shape).double(), expected, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("seq_lens", [[2000, 1, 1, 3, 700, 1, 2], [1, 1, 1, 1, 1, 1, 1500], [1500, 1]],
+                         ids=["long-first", "long-last", "two"])
+def test_threads_split_skewed_contexts(kernel, seq_lens):
+    """The threads' shares follow the contexts' lengths (csrc/decode_items.h): with one long context
+    among short ones every item is still attended once, each request's output matching the dense
+    reference."""
+    query, kv_cache, block_table, lens, scale, expected = _make_decode(9, 3, 64, 16, seq_lens, torch.float32, seed=11)
+    out = kernel(query, kv_cache[0], kv_cache[1], block_table, lens, max(seq_lens), scale, 16, 3, 64)
+    tol = _tolerance(kernel, 64)
+    torch.testing.assert_close(out.reshape(expected.shape).double(), expected, atol=tol, rtol=tol)
+
+
 # --- the tile passes (csrc/paged_decode_int8_amx.h), where the CPU has AMX-INT8 ---------------------
 
 

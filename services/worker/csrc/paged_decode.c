@@ -15,8 +15,8 @@
  * key or value row is read (and widened from bfloat16) once for the whole group, not once per
  * query head. Keys go 8 at a time: each query head's 8 dot products are summed across lanes
  * together (`sum_lanes8`), a handful of shuffles for 8 scores where one horizontal sum per score
- * cost as much as the dot product itself. Work items are spread over the threads, so a single
- * request still uses every core. Vectors are GCC vector extensions of 8 floats: the compiler
+ * cost as much as the dot product itself. Work items are spread over the threads by their
+ * contexts' lengths (decode_items.h), so a single request still uses every core. Vectors are GCC vector extensions of 8 floats: the compiler
  * picks AVX2, AVX-512 or NEON. Only the bfloat16 passes for CPUs with AVX512_BF16 name
  * instructions (paged_decode_bf16.h); every other build runs the generic passes.
  */
@@ -24,6 +24,7 @@
 #include <string.h>
 
 #include "decode_common.h"
+#include "decode_items.h"
 
 /* paged_decode_amx.c: the bfloat16 cache's passes on the AMX tile unit */
 int paged_decode_amx_supports(int head_dim, int group, int block_size);
@@ -203,23 +204,28 @@ static inline __attribute__((always_inline)) void rows_bf16(
     const int64_t per_thread = scratch_floats_per_thread(max_seq_len, group, head_dim);          \
     const int64_t num_items = num_reqs * num_kv_heads;                                           \
     if (num_threads > num_items) num_threads = num_items > 1 ? (int)num_items : 1;               \
-    _Pragma("omp parallel for num_threads(num_threads) schedule(static) if(num_threads > 1)")\
-    for (int64_t item = 0; item < num_items; item++) {                                           \
-      const int64_t req = item / num_kv_heads;                                                   \
-      const int kv_head = (int)(item % num_kv_heads);                                            \
+    _Pragma("omp parallel num_threads(num_threads) if(num_threads > 1)")                         \
+    {                                                                                            \
       float *s = scratch + (int64_t)THREAD_NUM() * per_thread;                                   \
-      const int64_t *blocks = block_table + req * block_table_stride;                            \
-      const int64_t offset = (int64_t)kv_head * head_dim;                                        \
-      const int64_t first = (req * num_heads + (int64_t)kv_head * group) * head_dim;             \
-      if (head_dim == 64)                                                                        \
-        NAME##_group(query + first, key_cache + offset, value_cache + offset, blocks,            \
-                     seq_lens[req], row, block_size, scale, out + first, s, group, 8);           \
-      else if (head_dim == 128)                                                                  \
-        NAME##_group(query + first, key_cache + offset, value_cache + offset, blocks,            \
-                     seq_lens[req], row, block_size, scale, out + first, s, group, 16);          \
-      else                                                                                       \
-        NAME##_group(query + first, key_cache + offset, value_cache + offset, blocks,            \
-                     seq_lens[req], row, block_size, scale, out + first, s, group, head_dim / 8);\
+      int64_t begin, end;                                                                        \
+      balanced_items(seq_lens, num_reqs, num_kv_heads, ITEMS_THREAD_NUM(), ITEMS_NUM_THREADS(),  \
+                     &begin, &end);                                                              \
+      for (int64_t item = begin; item < end; item++) {                                           \
+        const int64_t req = item / num_kv_heads;                                                 \
+        const int kv_head = (int)(item % num_kv_heads);                                          \
+        const int64_t *blocks = block_table + req * block_table_stride;                          \
+        const int64_t offset = (int64_t)kv_head * head_dim;                                      \
+        const int64_t first = (req * num_heads + (int64_t)kv_head * group) * head_dim;           \
+        if (head_dim == 64)                                                                      \
+          NAME##_group(query + first, key_cache + offset, value_cache + offset, blocks,          \
+                       seq_lens[req], row, block_size, scale, out + first, s, group, 8);         \
+        else if (head_dim == 128)                                                                \
+          NAME##_group(query + first, key_cache + offset, value_cache + offset, blocks,          \
+                       seq_lens[req], row, block_size, scale, out + first, s, group, 16);        \
+        else                                                                                     \
+          NAME##_group(query + first, key_cache + offset, value_cache + offset, blocks,          \
+                       seq_lens[req], row, block_size, scale, out + first, s, group, head_dim / 8); \
+      }                                                                                          \
     }                                                                                            \
     return 0;                                                                                    \
   }

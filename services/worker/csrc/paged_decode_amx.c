@@ -27,6 +27,7 @@ int paged_decode_amx_supports(int head_dim, int group, int block_size);
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
 #include "amx_tiles.h"
+#include "decode_items.h"
 #ifdef _OPENMP
 #include <omp.h>
 #define AMX_THREAD_NUM() omp_get_thread_num()
@@ -232,8 +233,9 @@ int paged_decode_bf16_amx(const float *query, const uint16_t *key_cache, const u
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
   {
     float *s = scratch + (int64_t)AMX_THREAD_NUM() * per_thread;
-#pragma omp for schedule(static)
-    for (int64_t item = 0; item < num_items; item++) {
+    int64_t begin, end;
+    balanced_items(seq_lens, num_reqs, num_kv_heads, ITEMS_THREAD_NUM(), ITEMS_NUM_THREADS(), &begin, &end);
+    for (int64_t item = begin; item < end; item++) {
       const int64_t req = item / num_kv_heads;
       const int kv_head = (int)(item % num_kv_heads);
       const int64_t first = (req * num_heads + (int64_t)kv_head * group) * head_dim;

@@ -37,6 +37,7 @@
 #include <string.h>
 
 #include "decode_common.h"
+#include "decode_items.h"
 #include "decode_int8_keys.h"
 #include "decode_int8_values.h"
 #include "int8_bf16.h"
@@ -117,8 +118,9 @@ int paged_decode_int8(const float *query, const int8_t *key_cache, const int8_t 
   {
     float *s = scratch + (int64_t)THREAD_NUM() * per_thread;
     if (use_tiles) config_int8_tiles(group);
-#pragma omp for schedule(static)
-    for (int64_t item = 0; item < num_items; item++) {
+    int64_t begin, end;
+    balanced_items(seq_lens, num_reqs, num_kv_heads, ITEMS_THREAD_NUM(), ITEMS_NUM_THREADS(), &begin, &end);
+    for (int64_t item = begin; item < end; item++) {
       const int64_t req = item / num_kv_heads;
       const int kv_head = (int)(item % num_kv_heads);
       const int64_t *blocks = block_table + req * block_table_stride;
