@@ -2,8 +2,9 @@
  * of query heads, request-major) among their threads: each thread takes a contiguous run of items
  * holding its share of the summed context lengths. An item's work grows with its request's
  * context, and a step's requests differ by hundreds of tokens, so a split by item count left the
- * thread with the longer requests working while the other waited at the barrier: on the harness's
- * c=32 and c=64 chat steps that was 12% and 8% over the balanced split's attention time. */
+ * thread with the longer requests working while the other waited at the barrier: by the
+ * harness's chat requests' context lengths, 12% and 8% over the balanced split's attention time
+ * at c=32 and c=64. */
 #ifndef SPINDLE_DECODE_ITEMS_H
 #define SPINDLE_DECODE_ITEMS_H
 
@@ -19,7 +20,8 @@
 #endif
 
 /* An item's work that does not grow with its context (the query's conversion, the softmax's
- * division, the output's store), in tokens' worth. */
+ * division, the output's store), in tokens' worth: an estimate, small beside contexts of hundreds
+ * of tokens, so the split does not hinge on it. */
 #define ITEM_FIXED_TOKENS 16
 
 static inline int64_t item_cost(const int64_t *seq_lens, int64_t req) {

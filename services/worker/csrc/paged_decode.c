@@ -16,9 +16,10 @@
  * query head. Keys go 8 at a time: each query head's 8 dot products are summed across lanes
  * together (`sum_lanes8`), a handful of shuffles for 8 scores where one horizontal sum per score
  * cost as much as the dot product itself. Work items are spread over the threads by their
- * contexts' lengths (decode_items.h), so a single request still uses every core. Vectors are GCC vector extensions of 8 floats: the compiler
- * picks AVX2, AVX-512 or NEON. Only the bfloat16 passes for CPUs with AVX512_BF16 name
- * instructions (paged_decode_bf16.h); every other build runs the generic passes.
+ * contexts' lengths (decode_items.h), so a single request still uses every core. Vectors are GCC
+ * vector extensions of 8 floats: the compiler picks AVX2, AVX-512 or NEON. Only the bfloat16
+ * passes for CPUs with AVX512_BF16 name instructions (paged_decode_bf16.h); every other build runs
+ * the generic passes.
  */
 #include <stdint.h>
 #include <string.h>
@@ -224,7 +225,8 @@ static inline __attribute__((always_inline)) void rows_bf16(
                        seq_lens[req], row, block_size, scale, out + first, s, group, 16);        \
         else                                                                                     \
           NAME##_group(query + first, key_cache + offset, value_cache + offset, blocks,          \
-                       seq_lens[req], row, block_size, scale, out + first, s, group, head_dim / 8); \
+                       seq_lens[req], row, block_size, scale, out + first, s, group,             \
+                       head_dim / 8);                                                            \
       }                                                                                          \
     }                                                                                            \
     return 0;                                                                                    \
