@@ -12,11 +12,6 @@
 
 #ifdef _OPENMP
 #include <omp.h>
-#define ITEMS_THREAD_NUM() omp_get_thread_num()
-#define ITEMS_NUM_THREADS() omp_get_num_threads()
-#else
-#define ITEMS_THREAD_NUM() 0
-#define ITEMS_NUM_THREADS() 1
 #endif
 
 /* An item's work that does not grow with its context (the query's conversion, the softmax's
@@ -28,30 +23,34 @@ static inline int64_t item_cost(const int64_t *seq_lens, int64_t req) {
   return (seq_lens[req] > 0 ? seq_lens[req] : 0) + ITEM_FIXED_TOKENS;
 }
 
-/* Items [*begin, *end) of `num_reqs * num_kv_heads` for thread `thread` of `num_threads`: those
- * whose cost midpoint falls in the thread's share of the total, so the runs are contiguous,
- * disjoint and cover every item. */
-static inline void balanced_items(const int64_t *seq_lens, int64_t num_reqs, int num_kv_heads, int thread,
-                                  int num_threads, int64_t *begin, int64_t *end) {
+/* How many items lie before the first whose cost midpoint reaches bound2 / 2 (doubled to stay in
+ * integers); midpoints grow with the item, so the items before it are exactly those below. */
+static inline int64_t items_below(const int64_t *seq_lens, int64_t num_reqs, int num_kv_heads, int64_t bound2) {
+  int64_t cum = 0, item = 0;
+  for (int64_t r = 0; r < num_reqs; r++) {
+    const int64_t cost = item_cost(seq_lens, r);
+    for (int h = 0; h < num_kv_heads; h++, item++, cum += cost)
+      if (2 * cum + cost >= bound2) return item;
+  }
+  return item;
+}
+
+/* The calling thread's items [*begin, *end) of `num_reqs * num_kv_heads`: those whose cost
+ * midpoint falls in its share of the total, so the threads' runs are contiguous, disjoint and
+ * cover every item. Called inside the parallel region. */
+static inline void thread_items(const int64_t *seq_lens, int64_t num_reqs, int num_kv_heads, int64_t *begin,
+                                int64_t *end) {
+#ifdef _OPENMP
+  const int thread = omp_get_thread_num(), num_threads = omp_get_num_threads();
+#else
+  const int thread = 0, num_threads = 1;
+#endif
   int64_t total = 0;
   for (int64_t r = 0; r < num_reqs; r++) total += item_cost(seq_lens, r);
   total *= num_kv_heads;
-  /* item i is the thread's when lo <= cum_i + cost_i / 2 < hi; doubled to stay in integers */
   const int64_t lo2 = 2 * total * thread / num_threads, hi2 = 2 * total * (thread + 1) / num_threads;
-  int64_t cum = 0, item = 0, first = -1, last = -1;
-  for (int64_t r = 0; r < num_reqs; r++) {
-    const int64_t cost = item_cost(seq_lens, r);
-    for (int h = 0; h < num_kv_heads; h++, item++, cum += cost) {
-      const int64_t mid2 = 2 * cum + cost;
-      if (mid2 < lo2) continue;
-      if (mid2 >= hi2 && thread < num_threads - 1) goto done;
-      if (first < 0) first = item;
-      last = item;
-    }
-  }
-done:
-  *begin = first < 0 ? 0 : first;
-  *end = first < 0 ? 0 : last + 1;
+  *begin = items_below(seq_lens, num_reqs, num_kv_heads, lo2);
+  *end = thread == num_threads - 1 ? num_reqs * num_kv_heads : items_below(seq_lens, num_reqs, num_kv_heads, hi2);
 }
 
 #endif

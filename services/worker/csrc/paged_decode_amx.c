@@ -234,7 +234,7 @@ int paged_decode_bf16_amx(const float *query, const uint16_t *key_cache, const u
   {
     float *s = scratch + (int64_t)AMX_THREAD_NUM() * per_thread;
     int64_t begin, end;
-    balanced_items(seq_lens, num_reqs, num_kv_heads, ITEMS_THREAD_NUM(), ITEMS_NUM_THREADS(), &begin, &end);
+    thread_items(seq_lens, num_reqs, num_kv_heads, &begin, &end);
     for (int64_t item = begin; item < end; item++) {
       const int64_t req = item / num_kv_heads;
       const int kv_head = (int)(item % num_kv_heads);

@@ -119,7 +119,7 @@ int paged_decode_int8(const float *query, const int8_t *key_cache, const int8_t 
     float *s = scratch + (int64_t)THREAD_NUM() * per_thread;
     if (use_tiles) config_int8_tiles(group);
     int64_t begin, end;
-    balanced_items(seq_lens, num_reqs, num_kv_heads, ITEMS_THREAD_NUM(), ITEMS_NUM_THREADS(), &begin, &end);
+    thread_items(seq_lens, num_reqs, num_kv_heads, &begin, &end);
     for (int64_t item = begin; item < end; item++) {
       const int64_t req = item / num_kv_heads;
       const int kv_head = (int)(item % num_kv_heads);
