@@ -139,6 +139,16 @@ class BlockPool:
         self.cached_block_hash_to_block[block_hash] = block
         return True
 
+    def uncache_block(self, block: KVCacheBlock) -> None:
+        """Takes a block out of the prefix cache (its contents cannot be trusted); a free one moves to
+        the front of the free queue, as unhashed blocks do."""
+        if block.block_hash is None:
+            return
+        self._evict(block)
+        if block.ref_cnt == 0:
+            self.free_block_queue.remove(block)
+            self.free_block_queue.appendleft(block)
+
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached hash; refused (False) while any block is held by a request."""
         if self.num_free_blocks != self.num_usable_blocks:

@@ -193,7 +193,7 @@ class EngineCore:
             except WorkerStepError as exc:
                 logger.error("step %d failed on the worker: %s", step.step_id, exc)
                 failed = [r.request_id for r in scheduler.abort_requests(list(step.num_scheduled_tokens))]
-                scheduler.on_step_failed()
+                scheduler.on_step_failed(step)
                 self._publish(error_outputs(failed, f"model execution failed: {exc}", "internal"), scheduler)
                 continue
             self._publish(scheduler.update_from_output(step, runner_output), scheduler)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from services.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
@@ -45,6 +46,9 @@ class KVCacheManager:
         # `allocate_slots` (a call per running request per step) while the held blocks suffice.
         self.num_slots_held: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
+        # Blocks registered at scheduling, before the step that computes them has run: step id ->
+        # [(request id, blocks)]. The step's output confirms them or rolls them back.
+        self._unconfirmed: dict[int, list[tuple[str, list[KVCacheBlock]]]] = {}
         # Prefix-cache events since the last `take_events`, recorded only while enabled.
         self._events: list[KVCacheEvent] | None = None
 
@@ -69,6 +73,7 @@ class KVCacheManager:
         """Forgets every cached prefix; refused (False) while a request holds blocks."""
         if not self.block_pool.reset_prefix_cache():
             return False
+        self._unconfirmed.clear()
         if self._events is not None:
             self._events.append(AllBlocksCleared())
             self.block_pool.removed_hashes = []
@@ -161,6 +166,15 @@ class KVCacheManager:
             self.num_cached_blocks[request.request_id] = len(computed_blocks)
         return [b.block_id for b in computed_blocks] + [b.block_id for b in new_blocks]
 
+    def forget_scheduled_blocks(self, request: Request, step_id: int) -> None:
+        """The request's tokens were taken out of step `step_id` before it was sent: the blocks it
+        registered ahead for that step leave the prefix cache (nobody was admitted after it)."""
+        entries = self._unconfirmed.get(step_id, [])
+        for req_id, blocks in [e for e in entries if e[0] == request.request_id]:
+            entries.remove((req_id, blocks))
+            for block in blocks:
+                self.block_pool.uncache_block(block)
+
     def cache_computed_blocks(self, requests: list[Request | None]) -> None:
         """After a step: registers the blocks full of computed tokens in the prefix cache, for each
         request that still holds blocks (None, or one preempted or finished meanwhile, holds none).
@@ -173,8 +187,43 @@ class KVCacheManager:
                     num_cached_blocks.get(request.request_id, 0) and request.request_id in req_to_blocks:
                 self._cache_full_blocks(request, request.num_computed_tokens)
 
-    def _cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Registers the request's blocks that filled up (to `num_computed_tokens`) since the last call."""
+    def cache_scheduled_blocks(self, request: Request, num_tokens: int, step_id: int) -> None:
+        """At scheduling: registers the blocks that the request's first `num_tokens` (known tokens:
+        a prompt chunk) fill, before step `step_id` computes them, so that a request admitted later
+        in this step, or in the next while this one runs, finds the prefix. The worker writes all of
+        a step's keys and values in a layer before any of them attends, and runs steps in order, so
+        a hit reads them written. Listed under the step until its output confirms them."""
+        if not self.enable_caching or \
+                num_tokens // self.block_size <= self.num_cached_blocks.get(request.request_id, 0):
+            return
+        stored = self._cache_full_blocks(request, num_tokens)
+        if stored:
+            self._unconfirmed.setdefault(step_id, []).append((request.request_id, stored))
+
+    def confirm_step(self, step_id: int, req_ids: Collection[str], failed_req_ids: Collection[str] = ()) -> set[str]:
+        """After step `step_id` (`req_ids`: the requests it ran, less `failed_req_ids`; none if it
+        failed): the blocks registered ahead for it are computed, unless their request did not run. Then every
+        block still registered ahead, this step's and the steps' in flight, leaves the prefix cache,
+        and the ids of the requests holding any are returned: what they computed may have read a
+        block that was never written, so they must start over."""
+        entries = self._unconfirmed.pop(step_id, None)
+        if not entries:
+            return set()
+        ran = set(req_ids).difference(failed_req_ids)
+        if all(req_id in ran for req_id, _ in entries):
+            return set()
+        self._unconfirmed[step_id] = entries
+        # A block evicted meanwhile (its hash gone) was reused and holds nothing of the rollback's.
+        suspect = {id(block): block for step_entries in self._unconfirmed.values() for _, blocks in step_entries
+                   for block in blocks if block.block_hash is not None}
+        self._unconfirmed.clear()
+        for block in suspect.values():
+            self.block_pool.uncache_block(block)
+        return {req_id for req_id, blocks in self.req_to_blocks.items() if any(id(b) in suspect for b in blocks)}
+
+    def _cache_full_blocks(self, request: Request, num_computed_tokens: int) -> list[KVCacheBlock]:
+        """Registers the request's blocks that filled up (to `num_computed_tokens`) since the last call;
+        returns those it registered."""
         start = self.num_cached_blocks.get(request.request_id, 0)
         self.update_block_hashes(request)
         blocks = self.req_to_blocks.get(request.request_id, [])
@@ -186,6 +235,7 @@ class KVCacheManager:
         self.num_cached_blocks[request.request_id] = max(start, num_full)
         if self._events is not None and stored:
             self._record_stored(request, stored)
+        return [blocks[i] for i in stored]
 
     def _record_stored(self, request: Request, indices: list[int]) -> None:
         """One event per run of consecutive blocks, chained to the block before it."""

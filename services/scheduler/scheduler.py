@@ -9,9 +9,15 @@ a step in flight samples counts as a placeholder (`num_output_placeholders`) tha
 already computes, as the worker appends what it samples. `update_from_output()` replaces it with
 the real token; a request the step in flight finishes is not scheduled past its length limit,
 and a step's output for a request that finished or was preempted meanwhile is dropped.
+
+A prompt chunk's full blocks join the prefix cache when it is scheduled (`cache_scheduled_blocks`),
+so requests admitted later in the step, or in the next while it runs, reuse them; its output
+confirms them (`confirm_step`), and blocks whose request or step did not run leave the cache with
+every request holding one preempted, to recompute from its first token.
 """
 from __future__ import annotations
 
+from collections.abc import Collection
 from itertools import repeat
 
 from services.common.messages import (
@@ -53,6 +59,8 @@ class Scheduler:
         self.grammar_gate = GrammarGate()
         self.num_preemptions = 0
         self.num_steps = 0
+        # Preempted between steps (their prefix turned out unwritten): the next step tells the worker.
+        self.preempted_req_ids: set[str] = set()
 
     # --- requests in and out ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -140,6 +148,7 @@ class Scheduler:
                     budget += num_scheduled_tokens.pop(victim.request_id)
                     del req_to_new_block_ids[victim.request_id], req_to_num_computed[victim.request_id]
                     scheduled_running.remove(victim)
+                    kv.forget_scheduled_blocks(victim, self.num_steps)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
@@ -157,13 +166,17 @@ class Scheduler:
             # back (`_preempt` resets a request preempted later in this loop); the step builder reads
             # the starting counts from `req_to_num_computed`.
             request.num_computed_tokens = num_computed + num_new
+            if num_computed < len(request.all_token_ids):  # a prompt chunk: its tokens are known
+                kv.cache_scheduled_blocks(request, num_computed + num_new, self.num_steps)
             if num_new == num_tokens - num_computed:
                 request.num_output_placeholders = num_placeholders + 1  # this step samples a token
 
-        # Then waiting requests, only if nobody was preempted this step.
+        # Then waiting requests, only if nobody was preempted this step or since the last (a step in
+        # flight may still carry an output for them, which must find them preempted, not resumed).
         new_reqs: list[Request] = []
         resumed_reqs: list[Request] = []
-        while not preempted and len(self.waiting) and budget > 0 and len(running) < self.config.max_num_seqs:
+        while (not preempted and not self.preempted_req_ids and len(self.waiting) and budget > 0
+               and len(running) < self.config.max_num_seqs):
             request = self.waiting.peek()
             computed_blocks, num_cached = [], 0
             if request.status == RequestStatus.WAITING:
@@ -188,15 +201,18 @@ class Scheduler:
             req_to_new_block_ids[request.request_id] = block_ids
             req_to_num_computed[request.request_id] = request.num_computed_tokens
             request.num_computed_tokens += num_new
+            kv.cache_scheduled_blocks(request, request.num_computed_tokens, self.num_steps)
             if request.num_computed_tokens == len(request.all_token_ids):
                 request.num_output_placeholders = 1  # this step samples a token
             budget -= num_new
 
         output = build_scheduler_output(new_reqs, resumed_reqs, scheduled_running, num_scheduled_tokens,
-                                        req_to_new_block_ids, req_to_num_computed, {r.request_id for r in preempted},
+                                        req_to_new_block_ids, req_to_num_computed,
+                                        {r.request_id for r in preempted} | self.preempted_req_ids,
                                         self.finished_req_ids, self.num_steps)
         output.grammars_to_compile = self.grammar_gate.take_to_announce()
         self.finished_req_ids = set()
+        self.preempted_req_ids = set()
         self.num_steps += 1
         return output
 
@@ -211,6 +227,10 @@ class Scheduler:
         req_ids: list[str] = []
         new_token_ids_column: list[list[int]] = []
         extras: dict[str, OutputExtras] = {}
+        # Blocks registered ahead for this step are computed now, or (a request or the step did not
+        # run) leave the cache with every request that may have read them starting over.
+        self._restart(self.kv_cache_manager.confirm_step(scheduler_output.step_id, runner_output.req_ids,
+                                                         runner_output.failed_reqs), runner_output.failed_reqs)
         step_requests = list(map(self.requests.get, runner_output.req_ids))
         # Before any finishes frees its blocks: the blocks this step filled join the prefix cache.
         self.kv_cache_manager.cache_computed_blocks(step_requests)
@@ -257,9 +277,10 @@ class Scheduler:
             self._on_grammars(runner_output, outputs)
         return outputs
 
-    def on_step_failed(self) -> None:
-        """A step failed as a whole (the engine core fails its requests)."""
+    def on_step_failed(self, scheduler_output: SchedulerOutput) -> None:
+        """A step failed as a whole (the engine core has failed its requests)."""
         self.grammar_gate.on_step_failed()
+        self._restart(self.kv_cache_manager.confirm_step(scheduler_output.step_id, ()), ())
 
     def get_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
@@ -303,6 +324,16 @@ class Scheduler:
             outputs.append(request.request_id, [], OutputExtras(
                 finish_reason=FinishReason.ERROR, events=request.take_events(),
                 error_message=f"structured_outputs: {reason}", error_code="invalid_argument"))
+
+    def _restart(self, req_ids: set[str], failed_req_ids: Collection[str]) -> None:
+        """Preempts the running requests among `req_ids` (all but those failing anyway), so that
+        they recompute from their first token."""
+        for req_id in req_ids.difference(failed_req_ids):
+            request = self.requests.get(req_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+                self._preempt(request)
+                self.preempted_req_ids.add(req_id)
 
     def _dequeue(self, request: Request) -> None:
         if request.status == RequestStatus.WAITING_FOR_GRAMMAR:

@@ -91,8 +91,9 @@ def test_a_failed_step_announces_the_awaited_constraints_again():
     scheduler = make_scheduler()
     request, = make_requests(1, structured_outputs=SCHEMA)
     scheduler.add_request(request)
-    assert scheduler.schedule().grammars_to_compile == {SCHEMA.key: SCHEMA}
-    scheduler.on_step_failed()
+    step = scheduler.schedule()
+    assert step.grammars_to_compile == {SCHEMA.key: SCHEMA}
+    scheduler.on_step_failed(step)
     assert scheduler.schedule().grammars_to_compile == {SCHEMA.key: SCHEMA}
 
 

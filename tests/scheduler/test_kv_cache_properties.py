@@ -35,26 +35,53 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.scheduler.add_request(Request(req))
 
     @precondition(lambda self: self.scheduler.has_unfinished_requests())
-    @rule(token=st.integers(10, 14))
-    def step(self, token):
+    @rule(token=st.integers(10, 14), refused=st.one_of(st.none(), st.integers(0, 5)))
+    def step(self, token, refused):
+        """One step as the worker runs it: every scheduled request's keys and values are written
+        before any attends (so a hit may read a block written in the same step). `refused`: the
+        index of a request the worker refuses to run; its slots of the step stay unwritten (None),
+        and a request reading an unwritten slot writes wrong values (None) too."""
         sched = self.scheduler
         kv = sched.kv_cache_manager
         out = sched.schedule()
-        for new in out.scheduled_new_reqs:
-            # Every prefix-cache hit must hold exactly the request's own tokens.
-            for pos in range(new.num_computed_tokens):
-                slot = new.block_ids[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
-                assert self.slots.get(slot) == (pos, new.prompt_token_ids[pos]), "cache hit on a block with other tokens"
-        req_ids, sampled = [], []
-        for req_id, n in out.num_scheduled_tokens.items():
+        scheduled = list(out.num_scheduled_tokens.items())
+        refused_id = scheduled[refused][0] if refused is not None and refused < len(scheduled) else None
+        written = {}
+        for req_id, n in scheduled:
             request = sched.requests[req_id]
             blocks = kv.get_block_ids(req_id)
             start = request.num_computed_tokens - n
             for pos in range(start, start + n):
-                self.slots[blocks[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE] = (pos, request.all_token_ids[pos])
+                written[blocks[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE] = \
+                    None if req_id == refused_id else (pos, request.all_token_ids[pos])
+        self.slots.update(written)
+        for new in out.scheduled_new_reqs:
+            # Every prefix-cache hit must hold the request's own tokens once the step's writes are in,
+            # unless a request of this very step was refused: then it must be started over.
+            hit_slots = [new.block_ids[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+                         for pos in range(new.num_computed_tokens)]
+            for pos, slot in enumerate(hit_slots):
+                if self.slots.get(slot) is None and refused_id is not None:
+                    for own in range(new.num_computed_tokens, new.num_computed_tokens + out.num_scheduled_tokens[new.req_id]):
+                        self.slots[new.block_ids[own // BLOCK_SIZE] * BLOCK_SIZE + own % BLOCK_SIZE] = None
+                    break
+                assert self.slots.get(slot) == (pos, new.prompt_token_ids[pos]), "cache hit on a block with other tokens"
+        req_ids, sampled = [], []
+        for req_id, n in scheduled:
+            if req_id == refused_id:
+                continue
+            request = sched.requests[req_id]
             req_ids.append(req_id)
             sampled.append([token] if request.num_computed_tokens >= request.num_tokens else [])
-        sched.update_from_output(out, ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled))
+        failed = {refused_id: "refused"} if refused_id is not None else {}
+        sched.update_from_output(out, ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, failed_reqs=failed))
+        # Whatever a running request counts as computed holds its own tokens.
+        for request in sched.running:
+            blocks = kv.get_block_ids(request.request_id)
+            for pos in range(request.num_computed_tokens):
+                slot = blocks[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+                assert self.slots.get(slot) == (pos, request.all_token_ids[pos]), \
+                    f"{request.request_id} computed on a slot holding {self.slots.get(slot)} at {pos}"
 
     @precondition(lambda self: self.scheduler.has_unfinished_requests())
     @rule(data=st.data())
@@ -88,5 +115,5 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert all(b.ref_cnt == 0 for b in pool.blocks[1:])
 
 
-KVCacheMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+KVCacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestKVCache = KVCacheMachine.TestCase

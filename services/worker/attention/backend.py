@@ -66,7 +66,11 @@ class AttentionBackend(abc.ABC):
     @abc.abstractmethod
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  metadata: AttentionMetadata) -> None:
-        """Writes this step's key/value [T, H_kv, D] into `kv_cache` at the metadata's slot mapping."""
+        """Writes this step's key/value [T, H_kv, D] into `kv_cache` at the metadata's slot mapping.
+
+        Called for all of a step's tokens before `attend` in the same layer: a request may attend to
+        blocks another request of the same step fills (the scheduler registers prompt blocks in the
+        prefix cache as it schedules them)."""
 
     @abc.abstractmethod
     def attend(
