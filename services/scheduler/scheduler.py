@@ -121,7 +121,7 @@ class Scheduler:
 
         # Running requests first, in order.
         running = self.running
-        num_slots_held = kv.num_slots_held
+        num_slots_held, block_size = kv.num_slots_held, self.block_size
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
@@ -166,7 +166,7 @@ class Scheduler:
             # back (`_preempt` resets a request preempted later in this loop); the step builder reads
             # the starting counts from `req_to_num_computed`.
             request.num_computed_tokens = num_computed + num_new
-            if num_computed < len(request.all_token_ids):  # a prompt chunk: its tokens are known
+            if (num_computed + num_new) % block_size < num_new:  # the step fills a block
                 kv.cache_scheduled_blocks(request, num_computed + num_new, self.num_steps)
             if num_new == num_tokens - num_computed:
                 request.num_output_placeholders = num_placeholders + 1  # this step samples a token
