@@ -188,11 +188,12 @@ class KVCacheManager:
                 self._cache_full_blocks(request, request.num_computed_tokens)
 
     def cache_scheduled_blocks(self, request: Request, num_tokens: int, step_id: int) -> None:
-        """At scheduling: registers the blocks that the request's first `num_tokens` (known tokens:
-        a prompt chunk) fill, before step `step_id` computes them, so that a request admitted later
-        in this step, or in the next while this one runs, finds the prefix. The worker writes all of
-        a step's keys and values in a layer before any of them attends, and runs steps in order, so
-        a hit reads them written. Listed under the step until its output confirms them."""
+        """At scheduling: registers the full blocks of the request's first `num_tokens` whose tokens
+        are known (a prompt chunk's; a placeholder for a token in flight stops the hashes), before
+        step `step_id` computes them, so that a request admitted later in this step, or in the next
+        while this one runs, finds the prefix. The worker writes all of a step's keys and values in
+        a layer before any of them attends, and runs steps in order, so a hit reads them written.
+        Listed under the step until its output confirms them."""
         if not self.enable_caching or \
                 num_tokens // self.block_size <= self.num_cached_blocks.get(request.request_id, 0):
             return
@@ -202,10 +203,11 @@ class KVCacheManager:
 
     def confirm_step(self, step_id: int, req_ids: Collection[str], failed_req_ids: Collection[str] = ()) -> set[str]:
         """After step `step_id` (`req_ids`: the requests it ran, less `failed_req_ids`; none if it
-        failed): the blocks registered ahead for it are computed, unless their request did not run. Then every
-        block still registered ahead, this step's and the steps' in flight, leaves the prefix cache,
-        and the ids of the requests holding any are returned: what they computed may have read a
-        block that was never written, so they must start over."""
+        failed): the blocks registered ahead for it are computed, unless their request did not run.
+        Then every block still registered ahead, this step's and the steps' in flight, leaves the
+        prefix cache, and the ids of the requests holding any are returned: what they computed may
+        have read a block that was never written, so they must start over. (Requests that read only
+        good blocks may start over too: a rare path, kept simple.)"""
         entries = self._unconfirmed.pop(step_id, None)
         if not entries:
             return set()
