@@ -14,13 +14,34 @@ from tests.scheduler.factories import (
 SHARED = list(range(2000, 2064))  # four full blocks of 16
 
 
-def test_a_request_admitted_in_the_same_step_hits_the_blocks_that_step_computes():
+def admit_together():
+    """Two requests sharing four blocks, admitted by one step: the second hits the first's blocks."""
     scheduler = make_scheduler()
     first, second = make_requests(2, prompt_len=5, prefix=SHARED, max_tokens=2)
     scheduler.add_request(first)
     scheduler.add_request(second)
     out = scheduler.schedule()
     assert [n.num_computed_tokens for n in out.scheduled_new_reqs] == [0, 64]
+    return scheduler, first, second, out
+
+
+def admit_while_in_flight():
+    """The first request's whole prompt (two full blocks and a part) in step 1; the second, sharing
+    the two blocks, arrives and is admitted by step 2, scheduled before step 1's output is back."""
+    scheduler = make_scheduler(max_num_batched_tokens=40)
+    (first,) = make_requests(1, prompt_len=0, prefix=SHARED[:40], max_tokens=2)
+    scheduler.add_request(first)
+    step1 = scheduler.schedule()
+    runner1 = fake_runner_output(scheduler, step1)
+    (second,) = make_requests(1, prompt_len=5, prefix=SHARED[:32], max_tokens=2)
+    scheduler.add_request(second)
+    step2 = scheduler.schedule()
+    assert [n.num_computed_tokens for n in step2.scheduled_new_reqs] == [32]
+    return scheduler, first, second, (step1, runner1), step2
+
+
+def test_a_request_admitted_in_the_same_step_hits_the_blocks_that_step_computes():
+    scheduler, first, second, out = admit_together()
     assert out.num_scheduled_tokens == {first.request_id: 69, second.request_id: 5}
     assert out.scheduled_new_reqs[1].block_ids[:4] == out.scheduled_new_reqs[0].block_ids[:4]
     assert second.num_cached_tokens == 64
@@ -30,16 +51,7 @@ def test_a_request_admitted_in_the_same_step_hits_the_blocks_that_step_computes(
 
 
 def test_the_next_step_hits_the_blocks_of_the_step_in_flight():
-    scheduler = make_scheduler(max_num_batched_tokens=40)
-    (first,) = make_requests(1, prompt_len=0, prefix=SHARED[:40], max_tokens=2)
-    scheduler.add_request(first)
-    step1 = scheduler.schedule()  # the whole prompt: two full blocks and a part
-    runner1 = fake_runner_output(scheduler, step1)
-    (second,) = make_requests(1, prompt_len=5, prefix=SHARED[:32], max_tokens=2)
-    scheduler.add_request(second)
-    step2 = scheduler.schedule()  # sent before step 1's output is back
-    (new,) = step2.scheduled_new_reqs
-    assert new.num_computed_tokens == 32
+    scheduler, first, second, (step1, runner1), step2 = admit_while_in_flight()
     assert step2.num_scheduled_tokens == {second.request_id: 5, first.request_id: 1}
     scheduler.update_from_output(step1, runner1)
     scheduler.update_from_output(step2, fake_runner_output(scheduler, step2))
@@ -48,12 +60,7 @@ def test_the_next_step_hits_the_blocks_of_the_step_in_flight():
 
 
 def test_a_refused_request_takes_its_blocks_out_and_whoever_read_them_starts_over():
-    scheduler = make_scheduler()
-    first, second = make_requests(2, prompt_len=5, prefix=SHARED, max_tokens=2)
-    scheduler.add_request(first)
-    scheduler.add_request(second)
-    out = scheduler.schedule()
-    assert out.scheduled_new_reqs[1].num_computed_tokens == 64
+    scheduler, first, second, out = admit_together()
     refused = ModelRunnerOutput(req_ids=[second.request_id], sampled_token_ids=[[7]],
                                 failed_reqs={first.request_id: "token id out of range"})
     outputs = scheduler.update_from_output(out, refused)
@@ -80,14 +87,7 @@ def test_a_refused_request_takes_its_blocks_out_and_whoever_read_them_starts_ove
 
 
 def test_a_failed_step_takes_its_blocks_out_and_the_step_in_flight_that_read_them_starts_over():
-    scheduler = make_scheduler(max_num_batched_tokens=40)
-    (first,) = make_requests(1, prompt_len=0, prefix=SHARED[:40], max_tokens=2)
-    scheduler.add_request(first)
-    step1 = scheduler.schedule()
-    (second,) = make_requests(1, prompt_len=5, prefix=SHARED[:32], max_tokens=2)
-    scheduler.add_request(second)
-    step2 = scheduler.schedule()
-    assert step2.scheduled_new_reqs[0].num_computed_tokens == 32
+    scheduler, first, second, (step1, _), step2 = admit_while_in_flight()
     # Step 1 failed on the worker: the engine core fails its requests, then tells the scheduler.
     scheduler.abort_requests(list(step1.num_scheduled_tokens))
     scheduler.on_step_failed(step1)
