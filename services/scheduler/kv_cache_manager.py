@@ -214,11 +214,10 @@ class KVCacheManager:
         ran = set(req_ids).difference(failed_req_ids)
         if all(req_id in ran for req_id, _ in entries):
             return set()
-        self._unconfirmed[step_id] = entries
-        # A block evicted meanwhile (its hash gone) was reused and holds nothing of the rollback's.
-        suspect = {id(block): block for step_entries in self._unconfirmed.values() for _, blocks in step_entries
-                   for block in blocks if block.block_hash is not None}
+        entries += [entry for later in self._unconfirmed.values() for entry in later]
         self._unconfirmed.clear()
+        # A block evicted meanwhile (its hash gone) was reused and holds nothing of the rollback's.
+        suspect = {id(block): block for _, blocks in entries for block in blocks if block.block_hash is not None}
         for block in suspect.values():
             self.block_pool.uncache_block(block)
         return {req_id for req_id, blocks in self.req_to_blocks.items() if any(id(b) in suspect for b in blocks)}

@@ -17,7 +17,6 @@ every request holding one preempted, to recompute from its first token.
 """
 from __future__ import annotations
 
-from collections.abc import Collection
 from itertools import repeat
 
 from services.common.messages import (
@@ -229,8 +228,7 @@ class Scheduler:
         extras: dict[str, OutputExtras] = {}
         # Blocks registered ahead for this step are computed now, or (a request or the step did not
         # run) leave the cache with every request that may have read them starting over.
-        self._restart(self.kv_cache_manager.confirm_step(scheduler_output.step_id, runner_output.req_ids,
-                                                         runner_output.failed_reqs), runner_output.failed_reqs)
+        self._confirm_step(scheduler_output.step_id, runner_output.req_ids, runner_output.failed_reqs)
         step_requests = list(map(self.requests.get, runner_output.req_ids))
         # Before any finishes frees its blocks: the blocks this step filled join the prefix cache.
         self.kv_cache_manager.cache_computed_blocks(step_requests)
@@ -280,7 +278,7 @@ class Scheduler:
     def on_step_failed(self, scheduler_output: SchedulerOutput) -> None:
         """A step failed as a whole (the engine core has failed its requests)."""
         self.grammar_gate.on_step_failed()
-        self._restart(self.kv_cache_manager.confirm_step(scheduler_output.step_id, ()), ())
+        self._confirm_step(scheduler_output.step_id, [], {})
 
     def get_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
@@ -325,10 +323,14 @@ class Scheduler:
                 finish_reason=FinishReason.ERROR, events=request.take_events(),
                 error_message=f"structured_outputs: {reason}", error_code="invalid_argument"))
 
-    def _restart(self, req_ids: set[str], failed_req_ids: Collection[str]) -> None:
-        """Preempts the running requests among `req_ids` (all but those failing anyway), so that
-        they recompute from their first token."""
-        for req_id in req_ids.difference(failed_req_ids):
+    def _confirm_step(self, step_id: int, req_ids: list[str], failed_reqs: dict[str, str]) -> None:
+        """The step's blocks registered ahead are computed, or they leave the cache and the running
+        requests holding any (all but those failing anyway) are preempted, to recompute from their
+        first token."""
+        to_restart = self.kv_cache_manager.confirm_step(step_id, req_ids, failed_reqs)
+        if not to_restart:
+            return  # the usual step
+        for req_id in to_restart.difference(failed_reqs):
             request = self.requests.get(req_id)
             if request is not None and request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
