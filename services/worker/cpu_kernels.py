@@ -30,7 +30,7 @@ SOURCES = ("paged_decode.c", "paged_prefill.c", "fused_ops.c", "token_bitmask.c"
            "kv_int8.c", "paged_decode_int8.c", "w8a8.c", "decode_layers.c", "gemm_tiles.c", "gemm_int8_tiles.c",
            "gemm_amx_bf16.c", "paged_decode_amx.c", "argmax.c", "greedy_screen.c", "head_int8_amx.c")
 HEADERS = ("vec.h", "decode_common.h", "decode_items.h", "decode_int8_keys.h", "decode_int8_values.h",
-           "paged_decode_int8_amx.h", "int8_bf16.h", "int8_quant.h", "paged_decode_bf16.h", "paged_prefill_amx.h",
+           "paged_decode_int8_amx.h", "int8_bf16.h", "int8_quant.h", "int8_groups.h", "paged_decode_bf16.h", "paged_prefill_amx.h",
            "amx_tiles.h")
 BASE_CFLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 # CPU flags (as /proc/cpuinfo names them) a portable target needs; `native` is built on this CPU.

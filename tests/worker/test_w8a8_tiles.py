@@ -104,7 +104,9 @@ def test_grouped_tiles_give_the_group_quantized_product_within_one_rounding(libr
         assert torch.equal(got, kernels.tiles(x, kernels.pack_tiles(qweight, scales), bias))
 
 
-# Groups the 16-lane quantizer takes (multiples of 16 up to 256), and one the scalar loop takes.
+# Groups quantized 16 at a time (16-64 values, int8_groups.h; 5 rows of 288 in groups of 32: the
+# rows' groups in trees of 16 that cross rows), one at a time on 16 lanes (256), and by the scalar
+# loop (36).
 @pytest.mark.parametrize("group_size", [16, 32, 48, 256, 36])
 def test_each_groups_integers_are_the_reference_rules(library, group_size):
     """Every group holds +-127 (a scale of one) and half-integers: with the identity as the weight the
@@ -123,6 +125,34 @@ def test_each_groups_integers_are_the_reference_rules(library, group_size):
     want = torch.nan_to_num(torch.round(x), nan=0.0)  # torch.round: half to even
     assert torch.equal(got.float(), want)
     assert (x.frac().abs() == 0.5).sum() > 100  # the rows hold many ties
+
+
+@pytest.mark.parametrize("group_size", [32, 256])
+def test_groups_below_127_over_flt_max_still_quantize_to_their_signs(library, group_size):
+    """A group whose largest |x| is below 127 / FLT_MAX has an infinite inverse: every nonzero value
+    quantizes to +-127 (x * inv is infinite, clamped) and a zero to 0 (0 * inf is NaN), as the
+    scalar rule does, so the group comes back as its signs times its largest |x|. The middle row
+    holds only such groups (another group's terms would swamp theirs in the row's float32 sums),
+    its neighbours ordinary values: in groups of 32 the trees of 16 groups mix both kinds."""
+    k_size, num_rows = 288, 3
+    g = torch.Generator().manual_seed(group_size)
+    x = torch.randn(num_rows, k_size, generator=g)
+    x[1] = torch.randint(-1, 2, (k_size,), generator=g).float() * 2e-38
+    x[1, ::16] = 1e-37  # each group's largest |x|, in both signs
+    x[1, 8::16] = -1e-37
+    x = x.bfloat16()
+    grouped = W8A8Kernels(library, group_size=group_size)
+    if not grouped.has_tiles:
+        pytest.skip("the CPU kernels have no int8 column tiles here (built without AVX512_VNNI)")
+    got = grouped.tiles(x, grouped.pack_tiles(torch.eye(k_size, dtype=torch.int8), torch.ones(k_size))).float()
+    row = x[1].float()
+    nonzero = row != 0
+    assert nonzero.sum() > 40 and (~nonzero).sum() > 40
+    want = torch.sign(row) * row.abs().max()
+    assert torch.allclose(got[1][nonzero], want[nonzero], rtol=2**-6, atol=0.0)
+    assert (got[1][~nonzero].abs() < 1e-39).all()
+    others = x[[0, 2]].float()
+    assert (got[[0, 2]] - others).abs().max() < 0.05  # ordinary groups: within their rounding
 
 
 def test_groups_keep_the_values_an_outlier_flattens_per_row(library, kernels):

@@ -12,7 +12,8 @@
  * for symmetric weights the int32 sum oneDNN returns.
  *
  * x's rows are quantized in groups of `group_size` values (int8_quant.h's symmetric rule per
- * group), a group never smaller than 4 or split inside a quad:
+ * group; 16 groups at a time where whole groups of 16-64 values fit, int8_groups.h), a group never
+ * smaller than 4 or split inside a quad:
  * - One group per row (group_size 0 or >= K) is w8a8.c's per-row rule: the row's int32 sums are
  *   exact and are scaled back by w8a8.c's own row pass, so with symmetric weights the output
  *   equals the oneDNN path's bit for bit.
@@ -30,6 +31,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <omp.h>
+
+#include "int8_groups.h"
 #include "int8_quant.h"
 
 #define TILE 16
@@ -208,20 +212,33 @@ int int8_tiles_bf16(const uint16_t *x, const uint8_t *wt, const float *w_scales,
     free(xq), free(x_scales), free(x_sums), free(q_sums);
     return -1;
   }
-#pragma omp parallel for schedule(static) if (m_size * k_size >= MIN_PARALLEL_ELEMENTS)
-  for (int64_t r = 0; r < m_size; r++) {
-    int8_t *row = xq + r * x_stride;
-    memset(row + k_size, 0, (size_t)(x_stride - k_size));
-    int32_t row_sum = 0;
-    float q_sum = 0.f;
-    for (int64_t g = 0; g < num_groups; g++) {
-      const int64_t k0 = 4 * g * gq, k1 = k0 + 4 * gq < k_size ? k0 + 4 * gq : k_size;
-      float *scale = x_scales + r * num_groups + g;
-      const int32_t sum = quantize_row_int8_sum_bf16(x + r * k_size + k0, k1 - k0, row + k0, scale);
-      row_sum += sum;
-      q_sum += *scale * (float)sum;
+#if INT8_GROUPS_HAS_16_LANES
+  if (num_groups > 1 && int8_groups_fit_16_lanes(k_size, 4 * gq)) { /* whole groups: rows of x_stride = k_size */
+#pragma omp parallel if (m_size * k_size >= MIN_PARALLEL_ELEMENTS)
+    {
+      const int64_t num_threads = omp_get_num_threads(), thread = omp_get_thread_num();
+      const int64_t r0 = m_size * thread / num_threads, r1 = m_size * (thread + 1) / num_threads;
+      quantize_rows_groups16_bf16(x + r0 * k_size, r1 - r0, k_size, 4 * gq, xq + r0 * x_stride,
+                                  x_scales + r0 * num_groups, x_sums + r0, q_sums + r0);
     }
-    x_sums[r] = row_sum, q_sums[r] = q_sum;
+  } else
+#endif
+  {
+#pragma omp parallel for schedule(static) if (m_size * k_size >= MIN_PARALLEL_ELEMENTS)
+    for (int64_t r = 0; r < m_size; r++) {
+      int8_t *row = xq + r * x_stride;
+      memset(row + k_size, 0, (size_t)(x_stride - k_size));
+      int32_t row_sum = 0;
+      float q_sum = 0.f;
+      for (int64_t g = 0; g < num_groups; g++) {
+        const int64_t k0 = 4 * g * gq, k1 = k0 + 4 * gq < k_size ? k0 + 4 * gq : k_size;
+        float *scale = x_scales + r * num_groups + g;
+        const int32_t sum = quantize_row_int8_sum_bf16(x + r * k_size + k0, k1 - k0, row + k0, scale);
+        row_sum += sum;
+        q_sum = fmaf(*scale, (float)sum, q_sum); /* as quantize_rows_groups16_bf16 adds them */
+      }
+      x_sums[r] = row_sum, q_sums[r] = q_sum;
+    }
   }
 #pragma omp parallel for schedule(static) if (n_size * k_size >= MIN_PARALLEL_WEIGHTS)
   for (int64_t p = 0; p < num_panels; p++) {
