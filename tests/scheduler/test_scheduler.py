@@ -1,5 +1,5 @@
 from services.common.messages import FinishReason
-from services.scheduler.scheduler import RequestRejected
+from services.scheduler.request_validation import RequestRejected
 from tests.scheduler.factories import (
     EOS,
     RequestStatus,
