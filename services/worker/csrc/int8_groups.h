@@ -10,7 +10,8 @@
  * skipped: VMAXPS returns its second operand, the maximum so far, when the first is NaN), the
  * scales and inverses are the same float32 divisions, q = rint(x * inv) with a NaN 0, clamped to
  * +-127 (only an infinite inverse, from a maximum below 127 / FLT_MAX, can take x * inv past 127.5,
- * so only then the clamp runs), and q_sum adds scale_g * sum_g in group order. */
+ * so only then the clamp runs); q_sum adds scale_g * sum_g in group order by fmaf, as
+ * gemm_int8_tiles.c's loop for the groups this does not take. */
 #ifndef SPINDLE_INT8_GROUPS_H
 #define SPINDLE_INT8_GROUPS_H
 
