@@ -11,7 +11,7 @@ The worker's model thread allocates from a glibc arena of its own: heaps of 64 M
 the same two settings, but an arena also deletes a heap as soon as it is empty, whatever the trim
 threshold, unless the heap before it has less room than the top pad. Served, a c=32 W8A8 slice of
 the harness faulted in 310,000 pages (1.2 GiB, 2.7% of the worker's CPU samples in the kernel
-zeroing them) in the model thread; with the top pad at a heap's size, 171. Elsewhere (musl, macOS)
+zeroing them) in the model thread; with the top pad at a heap's size, 235. Elsewhere (musl, macOS)
 there is no `mallopt` and nothing changes.
 """
 from __future__ import annotations
@@ -28,9 +28,9 @@ MAX_MMAP_THRESHOLD_BYTES = 32 << 20
 # Freed memory at the heap top stays until it exceeds this: a worker's activations are a few hundred
 # MiB at most, and its weights and KV cache are allocated once.
 TRIM_THRESHOLD_BYTES = 1 << 30
-# A thread arena's heap size on 64-bit (glibc's HEAP_MAX_SIZE): an empty heap is kept while the one
-# before it has less room than this, which it always has. The main heap grows by this much more
-# each time it grows (address space; pages are touched only when used).
+# A thread arena's heap size on 64-bit (glibc's HEAP_MAX_SIZE): an empty heap is deleted only if the
+# one before it has this much room, which it never has. The main heap grows by this much more each
+# time it grows (address space; pages are touched only when used).
 TOP_PAD_BYTES = 64 << 20
 
 
