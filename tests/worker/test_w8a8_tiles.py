@@ -107,6 +107,7 @@ def test_grouped_tiles_give_the_group_quantized_product_within_one_rounding(libr
 # Groups quantized 16 at a time (16-64 values, int8_groups.h; 5 rows of 288 in groups of 32: the
 # rows' groups in trees of 16 that cross rows), one at a time on 16 lanes (256), and by the scalar
 # loop (36).
+@pytest.mark.usefixtures("kernels")  # skips where the library has no tiles
 @pytest.mark.parametrize("group_size", [16, 32, 48, 256, 36])
 def test_each_groups_integers_are_the_reference_rules(library, group_size):
     """Every group holds +-127 (a scale of one) and half-integers: with the identity as the weight the
@@ -127,6 +128,7 @@ def test_each_groups_integers_are_the_reference_rules(library, group_size):
     assert (x.frac().abs() == 0.5).sum() > 100  # the rows hold many ties
 
 
+@pytest.mark.usefixtures("kernels")
 @pytest.mark.parametrize("group_size", [32, 256])
 def test_groups_below_127_over_flt_max_still_quantize_to_their_signs(library, group_size):
     """A group whose largest |x| is below 127 / FLT_MAX has an infinite inverse: every nonzero value
@@ -142,8 +144,6 @@ def test_groups_below_127_over_flt_max_still_quantize_to_their_signs(library, gr
     x[1, 8::16] = -1e-37
     x = x.bfloat16()
     grouped = W8A8Kernels(library, group_size=group_size)
-    if not grouped.has_tiles:
-        pytest.skip("the CPU kernels have no int8 column tiles here (built without AVX512_VNNI)")
     got = grouped.tiles(x, grouped.pack_tiles(torch.eye(k_size, dtype=torch.int8), torch.ones(k_size))).float()
     row = x[1].float()
     nonzero = row != 0
