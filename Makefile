@@ -100,7 +100,7 @@ bench: install
 # The CPU engines' table (docs/benchmarks.md "CPU engines"): Spindle float32, bfloat16 and int8
 # against OpenVINO GenAI (bf16, int8), transformers serve and llama.cpp at c=1, 8, 32 and 64 plus a
 # 256-token single stream, medians of three, the goals of the CPU issue as ratios of this one run.
-BENCH_CPU_ARGS ?= --servers spindle,spindle-bf16,spindle-bf16-kv8,spindle-int8,spindle-int8-kv8,spindle-w8a8,openvino-bf16,openvino-int8,transformers-serve,llama-cpp \
+BENCH_CPU_ARGS ?= --servers spindle,spindle-bf16,spindle-bf16-kv8,spindle-int8,spindle-int8-kv8,spindle-w8a8,spindle-w8a8-kv8,openvino-bf16,openvino-int8,transformers-serve,llama-cpp \
 	--concurrency 1,8,32,64 --requests-per-client 1 --min-requests 4 --rates '' --repeats 3 \
 	--single-stream-tokens 256 --overhead-levels 256 --prefix-requests 0 --no-model-step --time-limit-s 90
 bench-cpu: install
